@@ -1,0 +1,32 @@
+# Set-up is part of every target: a fresh machine with only Python needs nothing else.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  := torch==2.13.0
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: demo test lint setup
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# torch is installed on its own first, pinned to the CPU wheel, so that no
+# dependency's looser requirement pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m astrai_pl.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check astrai_pl tests benchmarks
+	$(VENV)/bin/ruff format --check astrai_pl tests benchmarks

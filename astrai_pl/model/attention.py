@@ -1,0 +1,92 @@
+"""Grouped-query self-attention with RoPE, optional q/k norm and qkv bias, block-causal over packed documents.
+
+The one seam for inference: when a `cache` object is passed, the rotated q/k/v go to
+`cache.attend(layer_idx, q, k, v)` (which stores K/V and attends over the stored context);
+otherwise attention is plain `scaled_dot_product_attention`. Layout of q/k/v is (B, T, H, D).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import RMSNorm, apply_rotary
+
+
+class KVCacheView(Protocol):
+    """What the attention layer needs from an inference cache: store new K/V, attend over the context."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class AttentionMask:
+    """How tokens may attend: plain causal (mask is None) or block-causal within documents."""
+
+    mask: torch.Tensor | None  # (B, 1, T, T) bool, True = may attend; None = causal
+
+    @classmethod
+    def build(cls, document_ids: torch.Tensor | None, seq_len: int) -> AttentionMask:
+        if document_ids is None:
+            return cls(None)
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
+        same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
+        return cls((same_doc & causal).unsqueeze(1))
+
+
+def document_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document index of each token, counting a new document wherever positions restart at 0.
+
+    Returns None when no row restarts after its first token (one document per row: plain causal).
+    """
+    restarts = position_ids[:, 1:] == 0
+    if not bool(restarts.any()):
+        return None
+    return torch.cumsum(position_ids == 0, dim=1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
+        h, d = cfg.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, hidden)
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: (B, T, D)
+        mask: AttentionMask,
+        cache: KVCacheView | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # RoPE before any cache write: cached keys keep the rotation of their own position.
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:
+            out = cache.attend(self.layer_idx, q, k, v)  # (B, T, H, D)
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=mask.mask, is_causal=mask.mask is None,
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            ).transpose(1, 2)
+        return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))

@@ -1,0 +1,220 @@
+"""ModelConfig: the shape of the shared decoder, with Hugging Face field names, and presets by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent with another one."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of the decoder. Field names follow Hugging Face's `config.json`."""
+
+    model_type: str = "llama"
+    """Architecture family written to config.json: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe."""
+    vocab_size: int = 32000
+    """Number of token embeddings (rows of embed_tokens and lm_head)."""
+    hidden_size: int = 512
+    """Width of the residual stream."""
+    intermediate_size: int = 1376
+    """Hidden width of the dense SwiGLU MLP."""
+    num_hidden_layers: int = 8
+    """Number of decoder blocks."""
+    num_attention_heads: int = 8
+    """Query heads per attention layer."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means equal to num_attention_heads."""
+    head_dim: int | None = None
+    """Width of one head; None means hidden_size // num_attention_heads."""
+    hidden_act: str = "silu"
+    """Activation of the gated MLP; only silu (SwiGLU) is supported."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon inside every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    rope_scaling: dict[str, Any] | None = None
+    """Context extension: {"rope_type": default|linear|dynamic|llama3|yarn, "factor": ..., ...} as in HF."""
+    max_position_embeddings: int = 2048
+    """Longest context the rotary tables are built for (the original length for scaled RoPE)."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding matrix with the output projection."""
+    attention_bias: bool = False
+    """Bias on the q, k and v projections (Qwen2 has it)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3 has it)."""
+    sliding_window: int | None = None
+    """Recorded for Mistral/Qwen2 configs; attention here is full-context (see docs/model.md)."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal initialisation; residual projections are scaled by 1/sqrt(2·layers)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 means every layer is dense."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int | None = None
+    """Hidden width of one routed expert; None means intermediate_size."""
+    num_shared_experts: int = 0
+    """Always-on experts added to every token's routed output (Qwen2-MoE uses one, with a sigmoid gate)."""
+    shared_expert_intermediate_size: int | None = None
+    """Hidden width of the shared expert block; None means num_shared_experts · moe_intermediate_size."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(Linear(x)) as Qwen2-MoE does."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to one (Mixtral, Qwen3-MoE: yes; Qwen2-MoE: no)."""
+    router_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss E·Σ f_e·P_e that objectives add to the task loss."""
+    decoder_sparse_step: int = 1
+    """Every decoder_sparse_step-th layer is MoE (counting from 1), as in Qwen-MoE configs."""
+    mlp_only_layers: list[int] = field(default_factory=list)
+    """Layer indices that stay dense even when MoE is on."""
+    bos_token_id: int | None = 1
+    """Beginning-of-sequence token id."""
+    eos_token_id: int | list[int] | None = 2
+    """End-of-sequence token id (or ids)."""
+    pad_token_id: int | None = None
+    """Padding token id, if the tokenizer has one."""
+    torch_dtype: str = "float32"
+    """Dtype recorded in config.json on export."""
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        if self.shared_expert_intermediate_size is None:
+            self.shared_expert_intermediate_size = self.num_shared_experts * self.moe_intermediate_size
+        self.mlp_only_layers = list(self.mlp_only_layers)
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, why: str, fix: str) -> None:
+            raise ConfigError(f"ModelConfig.{name}={getattr(self, name)!r}: {why}; {fix}")
+
+        if self.model_type not in MODEL_TYPES:
+            fail("model_type", "unknown architecture", f"use one of {', '.join(MODEL_TYPES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                fail(name, "must be positive", "set a value > 0")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            fail("num_attention_heads", f"does not divide hidden_size={self.hidden_size}",
+                 "pick a head count that divides the width, or set head_dim explicitly")
+        if self.num_attention_heads % self.num_key_value_heads:
+            fail("num_key_value_heads", f"does not divide num_attention_heads={self.num_attention_heads}",
+                 "each key/value head must serve a whole number of query heads")
+        if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
+            fail("head_dim", "must be a positive even number", "RoPE rotates pairs of channels")
+        if self.hidden_act != "silu":
+            fail("hidden_act", "only the SwiGLU MLP is implemented", "use 'silu'")
+        if self.rms_norm_eps <= 0:
+            fail("rms_norm_eps", "must be positive", "use e.g. 1e-6")
+        if self.rope_theta <= 0:
+            fail("rope_theta", "must be positive", "use e.g. 10000.0")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ROPE_TYPES:
+                fail("rope_scaling", f"unknown rope_type {kind!r}", f"use one of {', '.join(ROPE_TYPES)}")
+            if kind != "default" and float(self.rope_scaling.get("factor", 0)) <= 0:
+                fail("rope_scaling", "needs a positive 'factor'", "add e.g. factor: 2.0")
+        if self.num_experts < 0:
+            fail("num_experts", "must be >= 0", "use 0 for a dense model")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                fail("num_experts_per_tok", f"must lie in 1..num_experts={self.num_experts}",
+                     "route each token to at most as many experts as exist")
+            if self.decoder_sparse_step < 1:
+                fail("decoder_sparse_step", "must be >= 1", "use 1 to make every layer MoE")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            fail("mlp_only_layers", f"layer indices {bad} do not exist",
+                 f"use indices in 0..{self.num_hidden_layers - 1}")
+        if self.num_shared_experts < 0:
+            fail("num_shared_experts", "must be >= 0", "use 0 for none")
+
+    # -- derived shape -----------------------------------------------------------------------------------
+    @property
+    def head_size(self) -> int:
+        """Width of one attention head."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder block `index` (0-based) uses the MoE feed-forward."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = self.eos_token_id
+        return [] if ids is None else list(ids) if isinstance(ids, (list, tuple)) else [ids]
+
+    def num_parameters(self) -> int:
+        """Parameter count, computed from the shape alone (embeddings counted once when tied)."""
+        h, d, nq, nkv = self.hidden_size, self.head_size, self.num_attention_heads, self.num_key_value_heads
+        attn = h * d * (nq + 2 * nkv) + nq * d * h + (d * (nq + 2 * nkv) if self.attention_bias else 0)
+        attn += 2 * d if self.qk_norm else 0
+        dense = 3 * h * self.intermediate_size
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)
+        moe += 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gate else 0)
+        blocks = sum(attn + 2 * h + (moe if self.is_moe_layer(i) else dense) for i in range(self.num_hidden_layers))
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return blocks + emb + h
+
+    # -- names -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A preset by name (see PRESETS), with any field overridden."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Fast CPU tests: a few layers, tiny width, GQA on so every code path runs.
+    "debug": dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # The demo model: trains on two CPU cores in minutes.
+    "tiny": dict(vocab_size=320, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
+                 tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "small": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "SmolLM2-135M": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=None),
+    "Qwen2.5-0.5B": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+                         tie_word_embeddings=True, attention_bias=True, bos_token_id=151643,
+                         eos_token_id=151643, pad_token_id=None),
+    "Qwen3-0.6B": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                       tie_word_embeddings=True, qk_norm=True, bos_token_id=151643,
+                       eos_token_id=151645, pad_token_id=None),
+    "Llama-3.2-1B": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         tie_word_embeddings=True, bos_token_id=128000,
+                         eos_token_id=[128001, 128008, 128009], pad_token_id=None),
+}

@@ -1,0 +1,136 @@
+"""The small building blocks of the decoder: RMSNorm, rotary position embedding, SwiGLU."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) · weight, computed in float32 (Zhang & Sennrich, 2019).
+
+    Unlike LayerNorm it does not subtract the mean: a constant shift of x changes the output.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) · up(x)) (Shazeer, 2020)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# -- rotary embedding -------------------------------------------------------------------------------------
+def _yarn_inv_freq(cfg: ModelConfig, dim: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al., 2023): interpolate low frequencies, keep high ones, rescale attention."""
+    base, factor = cfg.rope_theta, float(scaling["factor"])
+    original = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolate = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attention_factor)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1: divide long wavelengths by `factor`, keep short ones, blend smoothly in between."""
+    factor, low, high = float(scaling["factor"]), scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_frequencies(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (head_dim/2,) and the attention scaling factor for cfg.rope_scaling.
+
+    `seq_len` matters only for dynamic NTK scaling, which grows the base once the context
+    exceeds max_position_embeddings.
+    """
+    dim, base, scaling = cfg.head_size, cfg.rope_theta, cfg.rope_scaling or {}
+    kind = cfg.rope_type
+    if kind == "yarn":
+        return _yarn_inv_freq(cfg, dim, scaling)
+    if kind == "dynamic" and seq_len is not None and seq_len > cfg.max_position_embeddings:
+        factor = float(scaling["factor"])
+        base = base * ((factor * seq_len / cfg.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq, 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the given position ids, in the rotate-half layout that HF checkpoints use."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        inv_freq, self.attention_factor = rope_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq
+        if self.cfg.rope_type == "dynamic":
+            longest = int(position_ids.max()) + 1
+            if longest > self.cfg.max_position_embeddings:
+                inv_freq = rope_frequencies(self.cfg, longest)[0].to(inv_freq.device)
+        freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, H, D) by the angles in cos/sin (B, T, D): x·cos + rotate_half(x)·sin."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin

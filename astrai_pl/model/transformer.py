@@ -1,0 +1,116 @@
+"""The shared pre-norm decoder: embeddings → blocks (attention + SwiGLU or MoE) → RMSNorm → lm_head."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .attention import Attention, AttentionMask, KVCacheView, document_ids_from_positions
+from .config import ModelConfig
+from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+from .moe import MoE
+
+
+@dataclass
+class TransformerOutput:
+    """What a forward returns: the logits and, for MoE models, the mean load-balancing loss over MoE layers."""
+
+    logits: torch.Tensor  # (B, T, V)
+    aux_loss: torch.Tensor | None = None
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, rope, mask: AttentionMask, cache: KVCacheView | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
+        out = self.mlp(self.post_attention_layernorm(x))
+        if isinstance(out, tuple):  # MoE: (output, aux loss)
+            return x + out[0], out[1]
+        return x + out, None
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer shared by every objective and by the inference engine.
+
+    `model(input_ids, position_ids=None, document_ids=None)` returns a TransformerOutput. Packed rows:
+    pass `document_ids` (B, T), or position ids that restart at 0 for each document; attention is then
+    block-causal, so no token sees another document.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, 0.02) for matrices; residual projections scaled by 1/sqrt(2·layers) (GPT-2); norms at one."""
+        std = self.config.initializer_range
+        residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                last = name.rsplit(".", 1)[-1]
+                nn.init.normal_(module.weight, 0.0, residual_std if last in ("o_proj", "down_proj") else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # (B, T)
+        position_ids: torch.Tensor | None = None,  # (B, T)
+        document_ids: torch.Tensor | None = None,  # (B, T)
+        cache: KVCacheView | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final normed hidden states (B, T, hidden) and the MoE auxiliary loss (None for dense models)."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        elif document_ids is None and cache is None:
+            document_ids = document_ids_from_positions(position_ids)
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(position_ids, x.dtype)
+        mask = AttentionMask.build(document_ids, T)
+        aux = []
+        for block in self.layers:
+            x, block_aux = block(x, rope, mask, cache)
+            if block_aux is not None:
+                aux.append(block_aux)
+        return self.norm(x), (torch.stack(aux).mean() if aux else None)
+
+    def forward(self, input_ids, position_ids=None, document_ids=None, cache=None) -> TransformerOutput:
+        hidden, aux = self.hidden_states(input_ids, position_ids, document_ids, cache)
+        return TransformerOutput(self.lm_head(hidden), aux)
+
+    # -- Hugging Face round-trip -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> Transformer:
+        """Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not)."""
+        from .hf import load_pretrained
+
+        return load_pretrained(cls, path, dtype)
+
+    def save_pretrained(self, path: str | Path, tokenizer=None, max_shard_size: int = 2 * 1024**3) -> None:
+        """Write a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads."""
+        from .hf import save_pretrained
+
+        save_pretrained(self, path, tokenizer=tokenizer, max_shard_size=max_shard_size)
