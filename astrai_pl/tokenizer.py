@@ -1,0 +1,348 @@
+"""Tokenizer: a Hugging Face `tokenizers` backend plus jinja2 chat templates, a byte tokenizer and BPE training.
+
+Files use the Hugging Face fast-tokenizer layout, so `transformers.AutoTokenizer` reads what `save_pretrained`
+writes, and `apply_chat_template` gives the ids transformers gives on the same folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as Backend
+
+SPECIAL_TOKEN_KEYS = tuple(f"{name}_token" for name in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"))
+BYTE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>")
+BYTE_RESERVED = tuple(f"<|reserved_{i}|>" for i in range(len(BYTE_SPECIALS), 8))
+BYTE_OFFSET = len(BYTE_SPECIALS) + len(BYTE_RESERVED)  # id of byte 0 in the byte tokenizer
+BYTE_SPECIAL_TOKENS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+UNBOUNDED_LENGTH = int(1e30)  # the model_max_length transformers writes when no limit is known
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file or argument is malformed or inconsistent."""
+
+
+# --- chat templates -------------------------------------------------------------------------------
+
+
+class _GenerationBlock(Extension):
+    """Accepts `{% generation %}…{% endgeneration %}` (used to mark assistant spans) and renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, **options: Any) -> str:
+    """Plain json.dumps (indent, separators, sort_keys): jinja's own filter HTML-escapes characters."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, **options)
+
+
+@lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandbox with the options and helpers Hub templates expect."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """Drop None-valued keys and copy reasoning under the names templates read, as transformers does."""
+    if not isinstance(message, dict):
+        raise TypeError(f"chat messages must be dicts with 'role' and 'content', got {message!r}")
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+# --- files ------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise TokenizerError(f"{path} is not valid JSON ({err}); restore or regenerate the file") from err
+
+
+def _write_atomic(path: Path, text: str | dict[str, Any]) -> None:
+    """Write text (or a dict as JSON) to a temporary file next to `path`, then rename it over `path`."""
+    if isinstance(text, dict):
+        text = json.dumps(text, indent=2, ensure_ascii=False) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; saved folders are shared like any other file
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_special_tokens(folder: Path, config: dict[str, Any]) -> dict[str, str]:
+    """Named special tokens from tokenizer_config.json (else special_tokens_map.json); strings or AddedToken dicts."""
+    found = {**_read_json(folder / "special_tokens_map.json"), **config}
+    tokens = {key: found.get(key) for key in SPECIAL_TOKEN_KEYS}
+    return {key: tok["content"] if isinstance(tok, dict) else tok for key, tok in tokens.items() if tok}
+
+
+def _read_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja (newer transformers) wins; else the config's one template or its 'default' entry."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    value = config.get("chat_template")
+    if value is None or isinstance(value, str):
+        return value
+    named = {entry["name"]: entry["template"] for entry in value}
+    if "default" not in named:
+        raise TokenizerError(
+            f"{folder / 'tokenizer_config.json'}: chat_template lists {sorted(named)} but none is named "
+            "'default'; rename the one to use to 'default' or set tokenizer.chat_template after loading"
+        )
+    return named["default"]
+
+
+# --- byte-level pieces ----------------------------------------------------------------------------
+
+
+def byte_symbols() -> list[str]:
+    """The printable character ByteLevel uses for each byte 0..255, in byte order.
+
+    Printable Latin-1 bytes stand for themselves; the others take code points 256, 257, … in byte order.
+    """
+    kept = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    shifted = iter(range(256, 512))
+    return [chr(byte) if byte in kept else chr(next(shifted)) for byte in range(256)]
+
+
+def _byte_level_pipeline(backend: Backend, specials: Sequence[str]) -> Backend:
+    """Byte-level pre-tokenizer and decoder, `<bos>` prepended by add_special_tokens, specials registered."""
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    bos = ("<bos>", backend.token_to_id("<bos>"))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B:1", special_tokens=[bos]
+    )
+    return backend
+
+
+# --- the tokenizer ----------------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """Text ↔ ids over a `tokenizers.Tokenizer`, with named special tokens and a jinja2 chat template."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        special_tokens: dict[str, str] | None = None,
+        chat_template: str | None = None,
+        model_max_length: int = UNBOUNDED_LENGTH,
+    ):
+        self.backend = backend
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        if unknown := set(self.special_tokens) - set(SPECIAL_TOKEN_KEYS):
+            raise TokenizerError(f"unknown special token keys {sorted(unknown)}; use {SPECIAL_TOKEN_KEYS}")
+        missing = [t for t in self.special_tokens.values() if backend.token_to_id(t) is None]
+        if missing:  # transformers appends named special tokens absent from the vocabulary; so do we
+            backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        self.chat_template = chat_template
+        self.model_max_length = model_max_length
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json (+ special_tokens_map.json, chat_template.jinja)."""
+        folder = Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"tokenizer folder {folder} does not exist (or is a file); pass a folder written by save_pretrained "
+                "or downloaded from the Hugging Face Hub (e.g. `huggingface-cli download <repo>`)"
+            )
+        if not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"{folder / 'tokenizer.json'} not found; only the fast-tokenizer format is read. Convert the "
+                f"folder once with `transformers.AutoTokenizer.from_pretrained('{folder}').save_pretrained('{folder}')`"
+            )
+        # tokenizer.json's post-processor decides what add_special_tokens adds; like transformers 5,
+        # add_bos_token/add_eos_token in tokenizer_config.json are ignored when tokenizer.json exists.
+        backend = Backend.from_file(str(folder / "tokenizer.json"))
+        config = _read_json(folder / "tokenizer_config.json")
+        max_length = int(config.get("model_max_length") or UNBOUNDED_LENGTH)
+        return cls(
+            backend, _read_special_tokens(folder, config), _read_chat_template(folder, config), max_length
+        )
+
+    @classmethod
+    def byte_level(cls) -> Tokenizer:
+        """A 264-token byte tokenizer needing no files: 8 specials at ids 0..7, byte b at id 8 + b."""
+        names = [*BYTE_SPECIALS, *BYTE_RESERVED, *byte_symbols()]
+        bpe = models.BPE(vocab={name: i for i, name in enumerate(names)}, merges=[])
+        backend = _byte_level_pipeline(Backend(bpe), [*BYTE_SPECIALS, *BYTE_RESERVED])
+        return cls(backend, BYTE_SPECIAL_TOKENS, CHATML_TEMPLATE)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(int(token_id))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def _special_id(self, key: str) -> int | None:
+        return self.backend.token_to_id(self.special_tokens[key]) if key in self.special_tokens else None
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The pad token's id, or the eos id when the tokenizer names no pad token."""
+        pad = self._special_id("pad_token")
+        return self.eos_token_id if pad is None else pad
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Ids that end a generation: eos plus any end-of-turn special token this vocabulary has."""
+        added = {token.content: i for i, token in self.backend.get_added_tokens_decoder().items()}
+        ids = [self.eos_token_id, *(added[token] for token in END_OF_TURN_TOKENS if token in added)]
+        return list(dict.fromkeys(i for i in ids if i is not None))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        **kwargs: Any,
+    ) -> list[int] | str:
+        """Render `messages` with the chat template; ids (encoded without added specials) or the string.
+
+        Keyword arguments reach the template as variables (`tools=[…]`, `enable_thinking=False`); like
+        transformers, `tools` and `documents` are defined (None) when not given.
+        """
+        if self.chat_template is None:
+            raise TokenizerError(
+                "this tokenizer has no chat_template; set `tokenizer.chat_template = '…jinja…'` or add "
+                "'chat_template' to tokenizer_config.json (or a chat_template.jinja file) in its folder"
+            )
+        if len(messages) == 0:
+            raise TokenizerError("apply_chat_template got an empty conversation; pass at least one message")
+        text = compile_chat_template(self.chat_template).render(
+            messages=[_template_message(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            **{"tools": None, "documents": None, **self.special_tokens, **kwargs},
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json that transformers loads."""
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": self.model_max_length,
+            "clean_up_tokenization_spaces": False,
+            **self.special_tokens,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        _write_atomic(folder / "tokenizer.json", self.backend.to_str(pretty=True))
+        _write_atomic(folder / "tokenizer_config.json", config)
+        _write_atomic(folder / "special_tokens_map.json", self.special_tokens)
+
+
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    min_frequency: int = 2,
+    special_tokens: Sequence[str] | None = None,
+) -> Tokenizer:
+    """Train a byte-level BPE tokenizer with the byte tokenizer's specials at the same ids and ChatML.
+
+    Extra `special_tokens` take ids after the reserved ones; then the 256 bytes; then the merges.
+    """
+    specials = [*BYTE_SPECIALS, *BYTE_RESERVED, *(special_tokens or [])]
+    floor = len(specials) + 256
+    if vocab_size <= floor:
+        raise TokenizerError(
+            f"vocab_size={vocab_size} leaves no room for merges: {len(specials)} special tokens and 256 bytes "
+            f"already take {floor} ids; pass vocab_size > {floor}"
+        )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(_byte_level_pipeline(backend, specials), BYTE_SPECIAL_TOKENS, CHATML_TEMPLATE)
