@@ -1,0 +1,301 @@
+"""Read and write Hugging Face checkpoint directories: config.json + safetensors, sharded or not.
+
+Supported `model_type`s: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe. Config
+translation lives in hf_config.py, weight names in hf_keys.py; this module does the files.
+
+RoPE layout. Rotary embedding pairs channel i with channel i + D/2 of each head ("rotate half":
+x·cos + rotate_half(x)·sin). That is the layout of every Hugging Face checkpoint of these
+architectures, and of layers.py, so q_proj/k_proj rows are copied verbatim both ways — no
+permutation. Meta's original Llama release (`consolidated.*.pth`) and Mistral's
+`consolidated.safetensors` use the *interleaved* layout instead (channel 2i paired with 2i+1);
+transformers' conversion script permutes the q/k rows of each head to go from that layout to
+rotate-half. Those files are not read here: point `from_pretrained` at the HF-format files.
+
+Loading first reads only the safetensors headers and checks every key and shape against the model
+config.json describes, so a bad checkpoint raises one typed error (see hf_config.py) naming the
+file, the key and the fix, before any tensor is read. The model is built on the meta device, then
+each shard's tensors are read and assigned shard by shard. `dtype=None` loads in torch's default
+dtype (float32: what training wants); pass e.g. torch.bfloat16 for inference.
+
+Saving writes into a fresh temporary directory beside the target and renames it into place, so an
+interrupted save leaves either the old directory or the new one, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .hf_config import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ExportError,
+    MissingWeightError,
+    UnexpectedWeightError,
+    UnsupportedCheckpointError,
+    WeightShapeError,
+    check_exportable,
+    config_from_hf,
+    config_to_hf,
+    generation_config,
+)
+from .hf_keys import Source, export_tensors, hf_name, is_ignored, sources_for
+from .layers import RotaryEmbedding, rope_frequencies
+
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "ExportError", "MissingWeightError",
+           "UnexpectedWeightError", "UnsupportedCheckpointError", "WeightShapeError",
+           "load_pretrained", "read_config", "save_pretrained"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_LISTED = 5
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        raise CheckpointNotFoundError(f"{file} does not exist. Fix: point at a Hugging Face model directory "
+                                      f"(it holds config.json and {SINGLE_FILE} or {INDEX_FILE}).")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{file} is not valid JSON ({err}). Fix: re-download or re-export it.") from err
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face model directory, without touching its weights."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root} is not a directory. Fix: pass the folder that holds config.json "
+                                      "and the safetensors files (download it first for a hub model).")
+    return config_from_hf(_read_json(root / "config.json"), root / "config.json")
+
+
+def weight_files(root: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index names, or model.safetensors."""
+    if (root / INDEX_FILE).is_file():
+        index = _read_json(root / INDEX_FILE)
+        names = sorted(set(index.get("weight_map", {}).values()))
+        for name in names:
+            if not (root / name).is_file():
+                raise CheckpointNotFoundError(f"{root / INDEX_FILE} names shard {name!r}, which does not exist. "
+                                              "Fix: download the missing shard.")
+        return [root / name for name in names]
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE]
+    found = sorted(p.name for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pth"))
+    raise CheckpointNotFoundError(
+        f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE} (found: {found or 'no weight files'}). Fix: "
+        "use the Hugging Face safetensors files; convert .bin/.pth weights with transformers first.")
+
+
+def _open(file: Path):
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as err:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({err}). Fix: re-download or "
+                              "re-export it.") from err
+
+
+def _listed(items: list[str]) -> str:
+    more = f" (and {len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+    return ", ".join(items[:_MAX_LISTED]) + more
+
+
+def plan_weights(files: list[Path], cfg: ModelConfig, expected: dict[str, tuple[int, ...]]) -> dict[str, Source]:
+    """Map every expected state_dict key to its Source, reading only headers; raise on any mismatch."""
+    sources: dict[str, Source] = {}
+    unexpected: list[str] = []
+    for file in files:
+        with _open(file) as f:
+            for hf_key in f.keys():
+                if is_ignored(hf_key):
+                    continue
+                shape = tuple(f.get_slice(hf_key).get_shape())
+                for key, source in sources_for(file, hf_key, shape).items():
+                    if key == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue  # shared with embed_tokens; transformers ignores it too
+                    if key not in expected:
+                        unexpected.append(f"{file.name}: {hf_key!r}")
+                        break
+                    sources[key] = source
+    _check_plan(files, cfg, expected, sources, unexpected)
+    return sources
+
+
+def _check_plan(files: list[Path], cfg: ModelConfig, expected: dict[str, tuple[int, ...]],
+                sources: dict[str, Source], unexpected: list[str]) -> None:
+    where = files[0].parent / (INDEX_FILE if len(files) > 1 or files[0].name != SINGLE_FILE else SINGLE_FILE)
+    missing = [repr(hf_name(k, cfg.model_type)) for k in expected if k not in sources]
+    if missing:
+        raise MissingWeightError(
+            f"{where}: {len(missing)} weight(s) that config.json requires are missing: {_listed(missing)}. Fix: "
+            "make config.json match the weights (num_hidden_layers, num_experts, attention_bias, "
+            "tie_word_embeddings: true if the output layer shares the embeddings) or re-export the checkpoint.")
+    if unexpected:
+        raise UnexpectedWeightError(
+            f"{where.parent}: {len(unexpected)} weight(s) have no place in a {cfg.model_type} model with this "
+            f"config.json: {_listed(unexpected)}. Fix: check model_type and the layer/expert counts in "
+            "config.json, or remove the extra tensors.")
+    bad = [f"{s.file.name}: {s.key!r} gives {s.shape}, expected {expected[k]}"
+           for k, s in sources.items() if s.shape != expected[k]]
+    if bad:
+        raise WeightShapeError(
+            f"{where.parent}: {len(bad)} weight(s) have the wrong shape: {_listed(bad)}. Fix: make config.json "
+            "match the weights (vocab_size, hidden_size, intermediate_size, head counts, head_dim).")
+
+
+def _read_tensors(sources: dict[str, Source], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Read every planned tensor, one shard open at a time, cast to `dtype`."""
+    by_file: dict[Path, list[tuple[str, Source]]] = defaultdict(list)
+    for key, source in sources.items():
+        by_file[source.file].append((key, source))
+    state: dict[str, torch.Tensor] = {}
+    for file, items in by_file.items():
+        with _open(file) as f:
+            cache: dict[str, torch.Tensor] = {}  # a fused expert tensor serves many keys
+            for key, source in sorted(items, key=lambda item: item[1].key):
+                if source.key not in cache:
+                    cache = {source.key: f.get_tensor(source.key)}
+                state[key] = source.take(cache[source.key]).to(dtype)
+    return state
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.get_default_dtype()
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} is not a floating-point torch dtype. Fix: pass e.g. torch.bfloat16.")
+    return resolved
+
+
+def load_pretrained(cls: type[torch.nn.Module], path: str | Path, dtype: torch.dtype | str | None = None):
+    """Build `cls(config)` from a Hugging Face directory; every key and shape is checked before any is read."""
+    root, target = Path(path), _resolve_dtype(dtype)
+    cfg = read_config(root)
+    cfg.torch_dtype = str(target).removeprefix("torch.")
+    with torch.device("meta"):
+        model = cls(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()
+                if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+    sources = plan_weights(weight_files(root), cfg, expected)
+    model.load_state_dict(_read_tensors(sources, target), strict=False, assign=True)
+    for module in model.modules():  # non-persistent buffers are not in the checkpoint: recompute
+        if isinstance(module, RotaryEmbedding):
+            module.register_buffer("inv_freq", rope_frequencies(module.cfg)[0], persistent=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "a tensor was left unloaded"
+    return model
+
+
+# -- writing ----------------------------------------------------------------------------------------------
+def _shard(tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Group tensors in order into shards of at most max_bytes (a bigger tensor gets a shard of its own)."""
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for key, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, tensor))
+        size += nbytes
+    return shards
+
+
+def _write_json(file: Path, obj: dict[str, Any]) -> None:
+    file.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _write_weights(folder: Path, tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> None:
+    shards = _shard(tensors, max_bytes)
+    names = ([SINGLE_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map, total = {}, 0
+    for name, shard in zip(names, shards):
+        data = {key: t.detach().to("cpu").contiguous() for key, t in shard}
+        save_file(data, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(data, name))
+        total += sum(t.numel() * t.element_size() for t in data.values())
+    if len(shards) > 1:
+        _write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _is_weight_file(name: str) -> bool:
+    return name == INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Bring the old directory's other files (README, tokenizer, ...) into the new one; old weights are dropped."""
+    for entry in old.iterdir():
+        if (new / entry.name).exists() or _is_weight_file(entry.name):
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, new / entry.name, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(entry), str(new / entry.name))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _swap_into_place(new: Path, target: Path) -> None:
+    if not target.exists():
+        os.rename(new, target)
+        return
+    backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.rename(target, backup / target.name)
+    os.rename(new, target)
+    shutil.rmtree(backup)
+
+
+def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = None,
+                    max_shard_size: int = 2 * 1024**3) -> None:
+    """Write config.json, generation_config.json, safetensors (sharded above max_shard_size bytes) and,
+    if given, the tokenizer's files: a directory `transformers.AutoModelForCausalLM` loads."""
+    cfg: ModelConfig = model.config
+    check_exportable(cfg)
+    if max_shard_size <= 0:
+        raise ValueError(f"max_shard_size={max_shard_size} must be positive. Fix: pass a size in bytes, e.g. 2**30.")
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{target} exists and is not a directory. Fix: pass a directory path.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tensors = list(export_tensors(model, cfg))
+    dtype = str(tensors[0][1].dtype).removeprefix("torch.")
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=target.parent))
+    work.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result should look like mkdir's
+    try:
+        _write_weights(work, tensors, max_shard_size)
+        _write_json(work / "config.json", config_to_hf(cfg, dtype))
+        _write_json(work / "generation_config.json", generation_config(cfg))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(work))
+        if target.is_dir():
+            _carry_over(target, work)
+        _swap_into_place(work, target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise

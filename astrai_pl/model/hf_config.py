@@ -1,0 +1,238 @@
+"""Translate a Hugging Face `config.json` to a ModelConfig and back, and the errors of the HF round-trip.
+
+Reading accepts both layouts of the rotary settings: the older one with `rope_theta` and
+`rope_scaling` at the top level (transformers 4.x), and the newer `rope_parameters` dict that
+transformers 5 writes (`{"rope_type": ..., "rope_theta": ..., "factor": ...}`). A field missing
+from the file takes the default of the transformers config class of that `model_type`, so a file
+means here what it means to `transformers`. Writing emits both layouts, so 4.x and 5.x read it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .config import MODEL_TYPES, ConfigError, ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory does not describe a model this package can hold."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The directory, its config.json or one of its weight files does not exist."""
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """config.json names an architecture or option the decoder does not implement."""
+
+
+class MissingWeightError(CheckpointError):
+    """A weight that config.json requires is absent from the safetensors files."""
+
+
+class UnexpectedWeightError(CheckpointError):
+    """The safetensors files hold a weight the configured model has no place for."""
+
+
+class WeightShapeError(CheckpointError):
+    """A weight's shape disagrees with the shape config.json implies."""
+
+
+class ExportError(ValueError):
+    """A model cannot be written as its `model_type` (transformers would compute something else)."""
+
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+EXPERTS_KEY = {"mixtral": "num_local_experts"}  # qwen3_moe files say num_experts (hub) or num_local_experts (5.x)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+
+# Defaults of the transformers config classes (5.x) for the fields a file may omit.
+_COMMON = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02,
+               hidden_act="silu", head_dim=None, pad_token_id=None, sliding_window=None)
+_MISTRAL = dict(max_position_embeddings=131072, num_key_value_heads=8, bos_token_id=1, eos_token_id=2)
+_QWEN = dict(max_position_embeddings=32768, num_key_value_heads=32, bos_token_id=None, eos_token_id=None)
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON, "max_position_embeddings": 2048, "num_key_value_heads": None,
+              "bos_token_id": 1, "eos_token_id": 2},
+    "mistral": {**_COMMON, **_MISTRAL, "sliding_window": 4096},
+    "mixtral": {**_COMMON, **_MISTRAL, "rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_local_experts": 8,
+                "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
+    "qwen2": {**_COMMON, **_QWEN},
+    "qwen3": {**_COMMON, **_QWEN, "head_dim": 128},
+    "qwen2_moe": {**_COMMON, **_QWEN, "num_key_value_heads": 16, "num_experts": 60, "num_experts_per_tok": 4,
+                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                  "norm_topk_prob": False, "qkv_bias": True, "router_aux_loss_coef": 0.001},
+    "qwen3_moe": {**_COMMON, **_QWEN, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768, "norm_topk_prob": False, "router_aux_loss_coef": 0.001},
+}
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_COPIED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
+           "tie_word_embeddings", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+def read_rope(raw: dict[str, Any], defaults: dict[str, Any], file: Path) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either layout; scaling is None for plain RoPE."""
+    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})  # transformers' precedence
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedCheckpointError(
+            f"{file}: 'rope_parameters' has per-layer-type entries {sorted(params)}; only one RoPE for all "
+            "layers is supported. Fix: use a checkpoint of one of the supported architectures.")
+    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or defaults["rope_theta"])
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if float(params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise UnsupportedCheckpointError(
+            f"{file}: key 'partial_rotary_factor' != 1 is not supported (every channel is rotated here). "
+            "Fix: use a checkpoint that rotates whole heads.")
+    if kind == "default":
+        return theta, None
+    if kind in ("llama3", "yarn") and not params.get("original_max_position_embeddings"):
+        # transformers falls back to max_position_embeddings for these two.
+        params["original_max_position_embeddings"] = raw.get("max_position_embeddings")
+    return theta, {"rope_type": kind, **params}
+
+
+def _moe_fields(mt: str, raw: dict[str, Any]) -> dict[str, Any]:
+    if mt not in MOE_TYPES:
+        return {}
+    fields = dict(num_experts=raw[EXPERTS_KEY.get(mt, "num_experts")],
+                  num_experts_per_tok=raw["num_experts_per_tok"], router_aux_loss_coef=raw["router_aux_loss_coef"])
+    if mt == "mixtral":  # every layer is MoE; intermediate_size is the width of one expert
+        return {**fields, "moe_intermediate_size": raw["intermediate_size"], "norm_topk_prob": True}
+    fields.update(moe_intermediate_size=raw["moe_intermediate_size"], norm_topk_prob=raw["norm_topk_prob"],
+                  decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
+                  mlp_only_layers=list(raw.get("mlp_only_layers") or []))
+    if mt == "qwen2_moe":
+        shared = raw["shared_expert_intermediate_size"]
+        fields.update(num_shared_experts=1 if shared else 0, shared_expert_intermediate_size=shared,
+                      shared_expert_gate=bool(shared))
+    return fields
+
+
+def _attention_fields(mt: str, raw: dict[str, Any], file: Path) -> dict[str, Any]:
+    if mt in ("llama", "qwen3", "qwen3_moe") and raw.get("attention_bias"):
+        raise UnsupportedCheckpointError(
+            f"{file}: key 'attention_bias' is true for {mt}, which puts a bias on o_proj too; the decoder "
+            "only has q/k/v biases. Fix: use a checkpoint without attention biases.")
+    if mt == "llama" and raw.get("mlp_bias"):
+        raise UnsupportedCheckpointError(
+            f"{file}: key 'mlp_bias' is true; the SwiGLU MLP here has no biases. "
+            "Fix: use a checkpoint without MLP biases.")
+    bias = {"qwen2": True, "qwen2_moe": bool(raw.get("qkv_bias"))}.get(mt, False)
+    window = raw.get("sliding_window")
+    if mt.startswith("qwen") and not raw.get("use_sliding_window"):
+        window = None
+    return dict(attention_bias=bias, qk_norm=mt in QK_NORM_TYPES, sliding_window=window or None)
+
+
+def config_from_hf(raw: dict[str, Any], file: Path) -> ModelConfig:
+    """The ModelConfig a Hugging Face config.json (already parsed) describes; `file` is named in errors."""
+    mt = raw.get("model_type")
+    if mt not in MODEL_TYPES:
+        raise UnsupportedCheckpointError(
+            f"{file}: key 'model_type' is {mt!r}, which this package cannot load. "
+            f"Fix: use a checkpoint whose model_type is one of {', '.join(MODEL_TYPES)}.")
+    missing = [k for k in _REQUIRED if raw.get(k) is None]
+    if missing:
+        raise CheckpointError(
+            f"{file}: required key {missing[0]!r} is missing. Fix: add it (every config.json that "
+            "transformers writes has it).")
+    key = EXPERTS_KEY.get(mt, "num_experts")
+    alias = "num_experts" if key == "num_local_experts" else "num_local_experts"
+    if key not in raw and alias in raw:
+        raw = {**raw, key: raw[alias]}
+    raw = {**DEFAULTS[mt], **raw}
+    theta, scaling = read_rope(raw, DEFAULTS[mt], file)
+    fields = {k: raw[k] for k in _COPIED}
+    fields.update(model_type=mt, rope_theta=theta, rope_scaling=scaling,
+                  torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+                  **_attention_fields(mt, raw, file), **_moe_fields(mt, raw))
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as err:
+        raise UnsupportedCheckpointError(f"{file}: {err}") from err
+
+
+# -- writing ----------------------------------------------------------------------------------------------
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raise ExportError when transformers' class for cfg.model_type would not compute what this model does."""
+    mt, problems = cfg.model_type, []
+    if mt not in MOE_TYPES and cfg.num_experts:
+        problems.append(f"num_experts={cfg.num_experts} ({mt} has no MoE layers)")
+    if mt == "mixtral" and not cfg.num_experts:
+        problems.append("num_experts=0 (every mixtral layer is MoE)")
+    if cfg.qk_norm != (mt in QK_NORM_TYPES):
+        problems.append(f"qk_norm={cfg.qk_norm} ({mt} {'always has' if mt in QK_NORM_TYPES else 'has no'} q/k norms)")
+    if cfg.attention_bias and mt not in ("qwen2", "qwen2_moe"):
+        problems.append(f"attention_bias=True ({mt} has no q/k/v-only bias)")
+    if mt == "mixtral" and (cfg.decoder_sparse_step != 1 or cfg.mlp_only_layers):
+        problems.append("dense layers (mixtral makes every layer MoE)")
+    if mt == "mixtral" and not cfg.norm_topk_prob:
+        problems.append("norm_topk_prob=False (mixtral always renormalises)")
+    shared = cfg.shared_expert_intermediate_size
+    if mt == "qwen2_moe" and cfg.num_experts and not (shared and cfg.shared_expert_gate):
+        problems.append("no gated shared expert (qwen2_moe always has one)")
+    if mt != "qwen2_moe" and shared:
+        problems.append(f"shared experts ({mt} has none)")
+    if problems:
+        raise ExportError(f"ModelConfig(model_type={mt!r}) cannot be written as {ARCHITECTURES[mt]}: "
+                          f"{'; '.join(problems)}. Fix: change model_type to an architecture that has "
+                          "these features, or change the fields.")
+
+
+def _rope_json(cfg: ModelConfig) -> dict[str, Any]:
+    scaling = dict(cfg.rope_scaling) if cfg.rope_type != "default" else None
+    if scaling is not None:
+        scaling.pop("type", None)
+        scaling["rope_type"] = cfg.rope_type
+    params = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
+
+
+def _moe_json(cfg: ModelConfig) -> dict[str, Any]:
+    mt = cfg.model_type
+    if mt == "mixtral":
+        return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                    intermediate_size=cfg.moe_intermediate_size, router_aux_loss_coef=cfg.router_aux_loss_coef)
+    out = dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+               moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+               decoder_sparse_step=cfg.decoder_sparse_step, mlp_only_layers=list(cfg.mlp_only_layers),
+               router_aux_loss_coef=cfg.router_aux_loss_coef)
+    if mt == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, qkv_bias=cfg.attention_bias)
+    return out
+
+
+def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+    """The config.json dict for cfg (call check_exportable first); `dtype` names the stored tensors' dtype."""
+    mt = cfg.model_type
+    out: dict[str, Any] = {"architectures": [ARCHITECTURES[mt]], "model_type": mt}
+    out.update({k: getattr(cfg, k) for k in _COPIED})
+    out.update(head_dim=cfg.head_size, num_key_value_heads=cfg.num_key_value_heads, **_rope_json(cfg))
+    if mt in ("llama", "qwen3", "qwen3_moe"):
+        out["attention_bias"] = False
+    if mt == "llama":
+        out["mlp_bias"] = False
+    if mt.startswith("qwen"):
+        out["use_sliding_window"] = cfg.sliding_window is not None
+    if mt != "llama":
+        out["sliding_window"] = cfg.sliding_window
+    if mt in MOE_TYPES:
+        out.update(_moe_json(cfg))
+    out.update(dtype=dtype, torch_dtype=dtype, use_cache=True)
+    return out
+
+
+def generation_config(cfg: ModelConfig) -> dict[str, Any]:
+    out = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "_from_model_config": True}
+    if cfg.pad_token_id is not None:
+        out["pad_token_id"] = cfg.pad_token_id
+    return out

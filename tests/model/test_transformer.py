@@ -1,0 +1,115 @@
+import pytest
+import torch
+
+from astrai_pl.model import ConfigError, ModelConfig, Transformer
+from astrai_pl.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+
+def test_rmsnorm_matches_torch_and_is_not_recentering():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5)
+    ours = RMSNorm(5, eps=1e-6)
+    ours.weight.data = torch.randn(5)
+    ref = torch.nn.RMSNorm(5, eps=1e-6)
+    ref.weight.data.copy_(ours.weight.data)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-6, atol=1e-6)
+    shifted = x + 10.0
+    ln = torch.nn.LayerNorm(5, elementwise_affine=False)
+    assert torch.allclose(ln(x), ln(shifted), atol=1e-5)
+    assert not torch.allclose(ours(x), ours(shifted), atol=1e-3)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_scores_depend_only_on_relative_position(scaling):
+    cfg = ModelConfig.from_name("debug", rope_scaling=scaling)
+    rope = RotaryEmbedding(cfg)
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, cfg.head_size), torch.randn(1, 1, 1, cfg.head_size)
+
+    def score(i: int, j: int) -> torch.Tensor:
+        cq, sq = rope(torch.tensor([[i]]), torch.float32)
+        ck, sk = rope(torch.tensor([[j]]), torch.float32)
+        return (apply_rotary(q, cq, sq) * apply_rotary(k, ck, sk)).sum()
+
+    for offset in (0, 5, 37, 200):
+        torch.testing.assert_close(score(7 + offset, 3 + offset), score(7, 3), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(score(7, 3), score(9, 3))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_packed_row_gives_each_document_its_own_logits(moe):
+    extra = dict(num_experts=4, num_experts_per_tok=2) if moe else {}
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name("debug", **extra)).eval()
+    docs = [torch.randint(3, 320, (n,)) for n in (5, 9, 3)]
+    packed = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with torch.no_grad():
+        logits = model(packed, position_ids=positions).logits[0]
+        start = 0
+        for d in docs:
+            alone = model(d[None]).logits[0]
+            torch.testing.assert_close(logits[start:start + len(d)], alone, rtol=1e-5, atol=1e-5)
+            start += len(d)
+        # explicit document ids give the same result as restarting positions
+        doc_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+        torch.testing.assert_close(model(packed, positions, document_ids=doc_ids).logits[0], logits)
+
+
+def test_causal_prefix_is_unaffected_by_later_tokens():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name("debug")).eval()
+    ids = torch.randint(0, 320, (2, 12))
+    with torch.no_grad():
+        full = model(ids).logits
+        prefix = model(ids[:, :7]).logits
+    torch.testing.assert_close(full[:, :7], prefix, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_aux_loss_is_returned_not_added():
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("debug", num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                                shared_expert_gate=True, mlp_only_layers=[0])
+    model = Transformer(cfg)
+    assert not cfg.is_moe_layer(0) and cfg.is_moe_layer(1)
+    out = model(torch.randint(0, 320, (2, 8)))
+    assert out.aux_loss is not None and out.aux_loss.requires_grad
+    # uniform routing gives aux = top_k exactly; anything else is larger on average
+    assert out.aux_loss.item() >= 1.0
+    dense = Transformer(ModelConfig.from_name("debug"))(torch.randint(0, 320, (1, 4)))
+    assert dense.aux_loss is None
+
+
+def test_init_scales_residual_projections():
+    cfg = ModelConfig.from_name("small")
+    model = Transformer(cfg)
+    std_q = model.layers[0].self_attn.q_proj.weight.std().item()
+    std_o = model.layers[0].self_attn.o_proj.weight.std().item()
+    assert abs(std_q - 0.02) < 2e-3
+    assert abs(std_o - 0.02 / (2 * cfg.num_hidden_layers) ** 0.5) < 1e-3
+    assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("num_attention_heads", 5, "hidden_size"),
+    ("num_key_value_heads", 3, "num_attention_heads"),
+    ("model_type", "gpt2", "model_type"),
+    ("rope_scaling", {"rope_type": "longrope2", "factor": 2.0}, "rope_type"),
+])
+def test_config_rejects_inconsistent_values(field, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_name("debug", **{field: value})
+
+
+def test_config_rejects_topk_above_experts():
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        ModelConfig.from_name("debug", num_experts=2, num_experts_per_tok=3)
+
+
+def test_presets_build():
+    for name in ("SmolLM2-135M", "Qwen2.5-0.5B", "Qwen3-0.6B", "Llama-3.2-1B"):
+        cfg = ModelConfig.from_name(name)
+        assert cfg.num_parameters() > 1e8
+    assert abs(ModelConfig.from_name("SmolLM2-135M").num_parameters() / 134.5e6 - 1) < 0.01
