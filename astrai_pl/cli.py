@@ -1,0 +1,98 @@
+"""`astrai-pl`: LightningCLI for fit/validate/test, plus the project's own verbs.
+
+    astrai-pl fit --config configs/pretrain/tiny.yaml [--trainer.max_steps 100 …]
+    astrai-pl tokenizer train --input corpus.txt --vocab-size 8000 --output tok/
+    astrai-pl convert --ckpt last.ckpt --output hf_dir/
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jsonargparse import set_parsing_settings
+from lightning.pytorch.cli import LightningCLI
+
+from .objectives import Objective
+
+LIGHTNING_VERBS = {"fit", "validate", "test", "predict"}
+
+# Field docstrings (`"""..."""` under each dataclass attribute) become --help text and
+# `--print_config=comments` comments.
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+class AstraiCLI(LightningCLI):
+    """LightningCLI whose model is any Objective and whose data is any LightningDataModule of ours."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        # The tokenizer is declared once, on the data module; the objective receives the same object.
+        parser.link_arguments("data.tokenizer", "model.init_args.tokenizer", apply_on="instantiate")
+
+
+def lightning_main(args: list[str] | None = None, run: bool = True) -> AstraiCLI:
+    return AstraiCLI(
+        model_class=Objective, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
+        args=args, run=run, save_config_kwargs={"overwrite": True},
+    )
+
+
+# -- our own verbs -----------------------------------------------------------------------------------------
+def _tokenizer_verb(argv: list[str]) -> None:
+    from .tokenizer import train_bpe
+
+    parser = argparse.ArgumentParser(prog="astrai-pl tokenizer", description="Train a byte-level BPE tokenizer.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    train = sub.add_parser("train", help="train on text files (one document per line for .txt; 'text' column otherwise)")
+    train.add_argument("--input", nargs="+", help="txt/json/jsonl/parquet files; default: the embedded corpus")
+    train.add_argument("--vocab-size", type=int, required=True)
+    train.add_argument("--min-frequency", type=int, default=2)
+    train.add_argument("--text-field", default="text")
+    train.add_argument("--output", required=True, help="directory to write tokenizer.json and its config into")
+    ns = parser.parse_args(argv)
+    tokenizer = train_bpe(_iter_texts(ns.input, ns.text_field), ns.vocab_size, min_frequency=ns.min_frequency)
+    tokenizer.save_pretrained(ns.output)
+    print(f"wrote a {tokenizer.vocab_size}-token tokenizer to {ns.output}")
+
+
+def _iter_texts(paths: list[str] | None, text_field: str):
+    from .data.corpus import embedded_documents
+    from .data.pretrain import load_documents
+
+    if not paths:
+        yield from (d["text"] for d in embedded_documents())
+        return
+    for path in paths:
+        yield from load_documents(path, text_field)[text_field]
+
+
+def _convert_verb(argv: list[str]) -> None:
+    from .data.pretrain import load_tokenizer
+    from .objectives.base import load_transformer
+
+    parser = argparse.ArgumentParser(prog="astrai-pl convert",
+                                     description="Export one of our checkpoints as a Hugging Face directory.")
+    parser.add_argument("--ckpt", required=True, help="a .ckpt written by astrai-pl fit, or a Hugging Face dir")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer directory to write alongside")
+    ns = parser.parse_args(argv)
+    model = load_transformer(None, ns.ckpt)
+    model.save_pretrained(ns.output, tokenizer=load_tokenizer(ns.tokenizer) if ns.tokenizer else None)
+    print(f"wrote {ns.output}")
+
+
+VERBS = {"tokenizer": _tokenizer_verb, "convert": _convert_verb}
+
+
+def main(argv: list[str] | None = None) -> None:
+    words = sys.argv[1:] if argv is None else argv
+    if words and words[0] in VERBS:
+        VERBS[words[0]](words[1:])
+        return
+    if words and not words[0].startswith("-") and words[0] not in LIGHTNING_VERBS:
+        raise SystemExit(f"astrai-pl: unknown command {words[0]!r}; use one of "
+                         f"{', '.join(sorted(LIGHTNING_VERBS | set(VERBS)))}")
+    lightning_main(argv)  # None: LightningCLI reads sys.argv itself
+
+if __name__ == "__main__":
+    main()

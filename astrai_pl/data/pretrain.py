@@ -1,0 +1,161 @@
+"""PretrainData: fixed-length token windows over a corpus tokenized once with `datasets` and cached."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from datasets import Dataset, load_dataset, load_from_disk
+from torch.utils.data import DataLoader
+
+from ..tokenizer import Tokenizer
+from .corpus import corpus_version, embedded_documents, is_held_out
+
+FILE_LOADERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ASTRAI_CACHE", Path.home() / ".cache" / "astrai_pl"))
+
+
+def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
+    """'byte' for the built-in byte-level tokenizer, else a Hugging Face tokenizer directory."""
+    if isinstance(spec, Tokenizer):
+        return spec
+    return Tokenizer.byte_level() if spec == "byte" else Tokenizer.from_pretrained(spec)
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """A short hash of the vocabulary, merges, specials and template: cached data is keyed by it."""
+    blob = tokenizer.backend.to_str() + (tokenizer.chat_template or "")
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_documents(path: str, text_field: str) -> Dataset:
+    """A local txt/json/jsonl/parquet file, a directory saved by `datasets`, or a hub dataset name."""
+    p = Path(path)
+    if p.is_dir():
+        ds = load_from_disk(str(p))
+    elif p.suffix in FILE_LOADERS:
+        if not p.is_file():
+            raise FileNotFoundError(f"data path {path!r} does not exist; pass an existing file or directory")
+        ds = load_dataset(FILE_LOADERS[p.suffix], data_files=str(p), split="train")
+    else:
+        ds = load_dataset(path, split="train")
+    if text_field not in ds.column_names:
+        raise KeyError(f"{path}: no column {text_field!r} (columns: {ds.column_names}); set text_field")
+    return ds
+
+
+def token_windows(docs: Dataset, tokenizer: Tokenizer, text_field: str, seq_len: int,
+                  num_proc: int | None) -> Dataset:
+    """Tokenize each document, append EOS, concatenate and cut into windows of seq_len tokens."""
+    eos = tokenizer.eos_token_id
+
+    def encode(batch):
+        return {"ids": [ids + [eos] for ids in tokenizer.encode_batch(batch[text_field])]}
+
+    def chunk(batch):
+        stream = [t for ids in batch["ids"] for t in ids]
+        n = len(stream) // seq_len * seq_len
+        return {"input_ids": [stream[i:i + seq_len] for i in range(0, n, seq_len)]}
+
+    ids = docs.map(encode, batched=True, num_proc=num_proc, remove_columns=docs.column_names,
+                   desc="tokenizing")
+    return ids.map(chunk, batched=True, batch_size=1000, remove_columns=["ids"], desc="windows")
+
+
+def collate_windows(rows: list[dict]) -> dict[str, torch.Tensor]:
+    ids = torch.tensor([r["input_ids"] for r in rows], dtype=torch.long)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+class PretrainData(L.LightningDataModule):
+    """Token windows for next-token prediction. `path=None` reads the embedded CPython documentation."""
+
+    def __init__(
+        self,
+        path: str | None = None,
+        tokenizer: str = "byte",
+        seq_len: int = 256,
+        batch_size: int = 16,
+        val_fraction: float = 0.02,
+        text_field: str = "text",
+        num_proc: int | None = None,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+        seed: int = 0,
+    ):
+        """
+        Args:
+            path: Local txt/json/jsonl/parquet file, a saved `datasets` directory or a hub name; None = embedded corpus.
+            tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
+            seq_len: Tokens per training window.
+            batch_size: Windows per micro-batch.
+            val_fraction: Share of documents held out for validation (chosen by a hash of the title or row index).
+            text_field: Column holding the text in `path`.
+            num_proc: Processes for tokenization (`Dataset.map`).
+            num_workers: DataLoader worker processes.
+            cache_dir: Where tokenized windows are cached between runs (default ~/.cache/astrai_pl or $ASTRAI_CACHE).
+            seed: Seed of the held-out split and of the shuffle.
+        """
+        super().__init__()
+        if seq_len < 2:
+            raise ValueError(f"PretrainData.seq_len={seq_len}: need at least 2 tokens per window")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"PretrainData.val_fraction={val_fraction}: must lie in (0, 1)")
+        self.save_hyperparameters()
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def _cache_key(self) -> str:
+        hp = self.hparams
+        source = corpus_version() if hp.path is None else str(Path(hp.path).resolve())
+        blob = json.dumps([source, tokenizer_fingerprint(self.tokenizer), hp.seq_len, hp.val_fraction, hp.seed,
+                           hp.text_field])
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def prepare_data(self) -> None:
+        self._load_or_build()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set, self.val_set = self._load_or_build()
+
+    def _load_or_build(self) -> tuple[Dataset, Dataset]:
+        target = self.cache_dir / "pretrain" / self._cache_key()
+        if (target / "train").is_dir() and (target / "val").is_dir():
+            return load_from_disk(str(target / "train")), load_from_disk(str(target / "val"))
+        hp = self.hparams
+        if hp.path is None:
+            docs = Dataset.from_list(embedded_documents())
+            held = [is_held_out(t, hp.val_fraction, hp.seed) for t in docs["title"]]
+        else:
+            docs = load_documents(hp.path, hp.text_field)
+            held = [is_held_out(str(i), hp.val_fraction, hp.seed) for i in range(len(docs))]
+        splits = {}
+        for name, keep in (("train", False), ("val", True)):
+            subset = docs.select([i for i, h in enumerate(held) if h == keep])
+            splits[name] = token_windows(subset, self.tokenizer, hp.text_field, hp.seq_len, hp.num_proc)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        for name, ds in splits.items():
+            ds.save_to_disk(str(tmp / name))
+        os.replace(tmp, target) if not target.exists() else None
+        return splits["train"], splits["val"]
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.hparams.seed)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, generator=g,
+                          collate_fn=collate_windows, num_workers=self.hparams.num_workers, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, collate_fn=collate_windows,
+                          num_workers=self.hparams.num_workers)
+
+    test_dataloader = val_dataloader

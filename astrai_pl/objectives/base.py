@@ -1,0 +1,166 @@
+"""The one base class of the objectives, and the free functions two or more of them share."""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+from torchmetrics import MeanMetric
+
+from ..model import ModelConfig, Transformer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint named by init_from cannot be read."""
+
+
+def as_config(arch: ModelConfig | dict | None) -> ModelConfig:
+    """ModelConfig from itself, from its dict form (as stored in checkpoints), or the debug preset."""
+    if arch is None:
+        return ModelConfig.from_name("debug")
+    return arch if isinstance(arch, ModelConfig) else ModelConfig(**arch)
+
+
+def load_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> Transformer:
+    """A fresh Transformer(arch), or the weights in `init_from`: a Hugging Face directory or one of our .ckpt files."""
+    if init_from is None:
+        return Transformer(as_config(arch))
+    path = Path(init_from)
+    if path.is_dir():
+        return Transformer.from_pretrained(path)
+    if not path.is_file():
+        raise CheckpointError(f"init_from={init_from!r}: no such file or directory; "
+                              "pass a Hugging Face model directory or a .ckpt written by astrai-pl fit")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - re-raised with the file named
+        raise CheckpointError(f"init_from={init_from!r}: not a readable checkpoint ({err.__class__.__name__}: "
+                              f"{err}); is the file complete?") from err
+    model = Transformer(as_config(ckpt.get("hyper_parameters", {}).get("arch")))
+    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    model.load_state_dict(state)
+    return model
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A deep copy in eval mode whose parameters never require a gradient (reference / old policies)."""
+    frozen = copy.deepcopy(model).eval()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    return frozen
+
+
+def param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Two optimizer groups: matrices and embeddings take the optimizer's weight decay; norms and biases
+    (1-D tensors) take none."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Objective(L.LightningModule, ABC):
+    """Holds a Transformer; subclasses implement `_shared_step(batch, stage) -> (loss, metrics)`."""
+
+    def __init__(
+        self,
+        arch: ModelConfig | None = None,
+        init_from: str | None = None,
+        tokenizer: Any = None,
+        optimizer: OptimizerCallable | None = None,
+        scheduler: LRSchedulerCallable | None = None,
+    ):
+        super().__init__()
+        self.model = load_transformer(arch, init_from)
+        self.arch = self.model.config
+        self.tokenizer = tokenizer
+        self.optimizer_fn, self.scheduler_fn = optimizer, scheduler
+        self.val_loss = MeanMetric()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The model shape travels as a plain dict, so checkpoints load with weights_only=True.
+        hparams = checkpoint.get("hyper_parameters", {})
+        if isinstance(hparams.get("arch"), ModelConfig):
+            hparams["arch"] = hparams["arch"].to_dict()
+
+    # -- the steps: one shared body for train / val / test ----------------------------------------------
+    @abstractmethod
+    def _shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The objective's loss on one batch and its metrics (detached tensors)."""
+
+    def training_step(self, batch, batch_idx):
+        loss, metrics = self._shared_step(batch, "train")
+        self.log_dict({f"train/{k}": v.float() for k, v in metrics.items()}, on_step=True, on_epoch=False)
+        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch, stage: str) -> None:
+        loss, metrics = self._shared_step(batch, stage)
+        self.val_loss.update(metrics.get("nll", loss), weight=metrics.get("tokens", 1))
+        self.log_dict({f"{stage}/{k}": v for k, v in metrics.items() if k not in ("nll", "tokens")},
+                      on_epoch=True)
+
+    def on_validation_epoch_start(self):
+        self._reset_eval_loss()
+
+    def on_test_epoch_start(self):
+        self._reset_eval_loss()
+
+    def _reset_eval_loss(self) -> None:
+        # Fresh normal tensors: a state created under inference mode (trainer.validate) could not be
+        # updated later under no_grad (validation inside fit).
+        with torch.inference_mode(False):
+            self.val_loss.reset()
+
+    def on_validation_epoch_end(self):
+        self._log_eval_loss("val")
+
+    def on_test_epoch_end(self):
+        self._log_eval_loss("test")
+
+    def _log_eval_loss(self, stage: str) -> None:
+        loss = self.val_loss.compute()
+        self.log(f"{stage}/loss", loss, prog_bar=True)
+        self.log(f"{stage}/ppl", torch.exp(loss.clamp(max=50)))
+
+    # -- optimisation ------------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        groups = param_groups(self.model)
+        if self.optimizer_fn is None:
+            optimizer = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        else:
+            optimizer = self.optimizer_fn(groups)
+        if self.scheduler_fn is None:
+            return optimizer
+        scheduler = self.scheduler_fn(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def accumulation_scale(self, batch: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
+        """Normaliser that makes accumulated gradients the exact mean over the window's trained tokens.
+
+        Lightning divides each micro-batch loss by `accumulate_grad_batches` (K). When the loader tags
+        every micro-batch with `window_tokens` (trained tokens in its whole accumulation window, the
+        short last window included), dividing the summed loss by window_tokens / K cancels that
+        division: Σ_micro (sum_nll / window_tokens) is the token mean over the window.
+        """
+        window = batch.get("window_tokens") if self.training else None
+        if window is None:
+            return tokens.clamp(min=1)
+        k = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+        return torch.as_tensor(window, dtype=torch.float32, device=tokens.device) / k
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)

@@ -1,0 +1,87 @@
+"""Per-token log-probabilities of given labels under a model: what DPO, GRPO and evaluation share.
+
+Labels follow the convention of `losses.py`: aligned with `input_ids`, -100 where a token is not
+scored; the logits at position t score label t + 1. A 150k vocabulary makes the float32 (B, T, V)
+log-softmax the memory peak of a preference or RL step, so `token_logprobs` never builds it: the
+lm_head runs on chunks of the scored positions only, each chunk is reduced to one number per position
+(logsumexp and a gather, in float32), and under autograd each chunk is recomputed in the backward pass
+instead of being kept (activation checkpointing), so at most one (chunk_size, V) block is alive.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,  # (..., V)
+    targets: torch.Tensor,  # (...), -100 where not scored
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """log p(target) = logit[target] − logsumexp(logits), in float32 (or wider); 0 where ignored.  (...)"""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    scored = targets != ignore_index
+    picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(scored, picked - logits.logsumexp(-1), 0.0)
+
+
+def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    logits = lm_head(hidden)  # (C, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logprobs_from_logits(logits, targets)  # (C,)
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # (B, T)
+    labels: torch.Tensor,  # (B, T), aligned with input_ids, -100 where not scored
+    *,
+    position_ids: torch.Tensor | None = None,  # (B, T)
+    document_ids: torch.Tensor | None = None,  # (B, T)
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log p(labels[t + 1] | input_ids[≤ t]) at each position t, 0 where labels[t + 1] is -100.  (B, T)
+
+    The last position is always 0 (nothing follows it). `temperature` divides the logits first, as
+    sampling does, so rollout and training score tokens under the same distribution. Only positions
+    with a scored label reach the lm_head, `chunk_size` of them at a time; gradients flow to the
+    model. Requires `model.hidden_states(...) -> (hidden, aux)` and `model.lm_head`; the MoE
+    auxiliary loss is dropped (preference and RL losses do not add it).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (it divides the logits), got {temperature}")
+    B, T = input_ids.shape
+    hidden, _ = model.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids)
+    targets = torch.cat([labels[:, 1:], labels.new_full((B, 1), IGNORE_INDEX)], dim=1).reshape(-1)
+    where = (targets != IGNORE_INDEX).nonzero().squeeze(-1)  # (N,) flat indices of scored positions
+    hidden = hidden.reshape(B * T, -1)[where]  # (N, H)
+    targets = targets[where]
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    chunks = []
+    for start in range(0, max(len(where), 1), chunk_size):  # one empty chunk keeps the graph when N == 0
+        h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+        if recompute:
+            chunks.append(checkpoint(_chunk_logprobs, model.lm_head, h, t, temperature, use_reentrant=False))
+        else:
+            chunks.append(_chunk_logprobs(model.lm_head, h, t, temperature))
+    scored = torch.cat(chunks)  # (N,)
+    out = scored.new_zeros(B * T).index_put((where,), scored)
+    return out.view(B, T)
+
+
+def sequence_logprobs(token_lp: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_t token_lp[b, t] · mask[b, t]: one log-probability per sequence.  (B, T) → (B,)
+
+    `token_logprobs` already puts 0 at unscored positions, so `mask` is only needed to narrow further.
+    """
+    if mask is not None:
+        token_lp = token_lp * mask.to(token_lp.dtype)
+    return token_lp.sum(-1)

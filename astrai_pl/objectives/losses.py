@@ -1,0 +1,263 @@
+"""Losses as pure functions: tensors in, `(loss, metrics)` out. No module state, no Lightning.
+
+Label convention shared by every objective: `labels` are aligned with `input_ids` (labels[t] is
+token t itself, or -100 where it is not trained). The logits at position t predict token t + 1, so
+`next_token_labels(labels)` shifts them once; losses take logits and already-shifted targets.
+Per-token log-probabilities of labels under a model (`token_logprobs`) live in `logprobs.py` and are
+re-exported here; the preference and RL losses below take their outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .logprobs import IGNORE_INDEX, logprobs_from_logits, sequence_logprobs, token_logprobs
+
+__all__ = [
+    "IGNORE_INDEX", "next_token_labels", "cross_entropy", "logprobs_from_logits", "token_logprobs",
+    "sequence_logprobs", "dpo_loss", "group_advantages", "grpo_loss",
+]
+
+
+def next_token_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Targets for next-token prediction: labels shifted left by one, the last position ignored.  (B, T)"""
+    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
+def cross_entropy(
+    logits: torch.Tensor,  # (B, T, V)
+    labels: torch.Tensor,  # (B, T), already the targets of each position
+    ignore_index: int = IGNORE_INDEX,
+    label_smoothing: float = 0.0,
+    normalizer: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level cross-entropy with optional label smoothing (Szegedy et al., 2016).
+
+        L = Σ_t m_t · [ (1 − ε) · (−log p(y_t)) + ε · mean_v(−log p(v)) ] / N
+
+    with m_t = 1 where labels[t] != ignore_index, ε = label_smoothing and N = Σ_t m_t, or the given
+    `normalizer` (e.g. the trained-token count of a whole accumulation window, which makes gradient
+    accumulation exact). Computed in float32 whatever the logits' dtype.
+
+    Metrics: `nll` (the unsmoothed mean negative log-likelihood over this batch's trained tokens) and
+    `tokens` (how many tokens were trained).
+    """
+    flat_logits = logits.reshape(-1, logits.size(-1)).float()
+    flat_labels = labels.reshape(-1)
+    summed = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, reduction="sum")
+    tokens = (flat_labels != ignore_index).sum()
+    denom = tokens.clamp(min=1) if normalizer is None else normalizer
+    loss = summed / denom
+    if label_smoothing:
+        with torch.no_grad():
+            nll = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
+    else:
+        nll = summed.detach()
+    return loss, {"nll": nll / tokens.clamp(min=1), "tokens": tokens}
+
+
+# -- preference optimisation ------------------------------------------------------------------------
+
+DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge")
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,  # (B,)
+    policy_rejected_logps: torch.Tensor,  # (B,)
+    ref_chosen_logps: torch.Tensor,  # (B,)
+    ref_rejected_logps: torch.Tensor,  # (B,)
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Direct Preference Optimization and its variants, averaged over the batch of pairs.
+
+    Inputs are per-sequence log-probabilities of the response, summed over its tokens (B,). With the
+    log-ratio margin h = (πc − πr) − (rc − rr) (π: policy, r: reference, c/r: chosen/rejected) and
+    ε = label_smoothing:
+
+        sigmoid  −(1 − ε)·log σ(β·h) − ε·log σ(−β·h)                  Rafailov et al., 2023 (DPO);
+                 ε > 0 is conservative DPO (cDPO, Mitchell 2023): labels flipped with probability ε
+        robust   [−(1 − ε)·log σ(β·h) + ε·log σ(−β·h)] / (1 − 2ε)      Chowdhury et al., 2024 (rDPO)
+        ipo      (h − 1/(2β))²                                         Azar et al., 2023 (IPO)
+        hinge    max(0, 1 − β·h)                                       Zhao et al., 2023 (SLiC-HF)
+
+    The names and formulas follow TRL's `DPOConfig.loss_type`, so ported configs keep their meaning.
+    IPO's paper scores sequences by their mean token log-probability; TRL length-normalises before
+    this loss, and so should a caller that wants the paper's IPO — this function takes the numbers
+    as given. ipo and hinge have no label smoothing: ε ≠ 0 there is an error, not silently ignored.
+    The reference log-probabilities are constants (detached here); gradients reach the policy's only.
+
+    Metrics (batch means, detached), with TRL's names: `rewards/chosen` = β·(πc − rc),
+    `rewards/rejected` = β·(πr − rr), `rewards/margins` (their difference), `rewards/accuracies`
+    (fraction of pairs with rewards/chosen > rewards/rejected), `logps/chosen` = πc, `logps/rejected` = πr.
+    """
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0 (the inverse temperature of the implicit reward), got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5) (a label-noise probability), got {label_smoothing}")
+    if label_smoothing and loss_type in ("ipo", "hinge"):
+        raise ValueError(f"label_smoothing applies to loss_type 'sigmoid' or 'robust', not {loss_type!r}; "
+                         "set it to 0.0")
+    shapes = {t.shape for t in (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)}
+    if len(shapes) != 1:
+        raise ValueError(f"the four log-probability tensors must share one shape (B,), got {sorted(shapes)}")
+
+    dtype = torch.promote_types(policy_chosen_logps.dtype, torch.float32)
+    chosen_ratio = policy_chosen_logps.to(dtype) - ref_chosen_logps.to(dtype).detach()  # (B,)
+    rejected_ratio = policy_rejected_logps.to(dtype) - ref_rejected_logps.to(dtype).detach()  # (B,)
+    h = chosen_ratio - rejected_ratio  # (B,)
+    eps = label_smoothing
+    if loss_type == "sigmoid":
+        losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+    elif loss_type == "robust":
+        losses = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:  # hinge
+        losses = torch.relu(1 - beta * h)
+
+    with torch.no_grad():
+        chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
+        metrics = {
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).to(dtype).mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": policy_chosen_logps.detach().to(dtype).mean(),
+            "logps/rejected": policy_rejected_logps.detach().to(dtype).mean(),
+        }
+    return losses.mean(), metrics
+
+
+# -- group relative policy optimisation ---------------------------------------------------------------
+
+ADVANTAGE_SCALES = ("group", "batch", "none")
+GRPO_LOSS_TYPES = ("token", "grpo", "dr_grpo")
+
+
+def group_advantages(
+    rewards: torch.Tensor,  # (N,), N = number of prompts · group_size, each group consecutive
+    group_size: int,
+    eps: float = 1e-8,
+    scale: str = "group",
+) -> torch.Tensor:
+    """Group-relative advantages: each completion's reward against its siblings for the same prompt.  (N,)
+
+        group   A_i = (r_i − mean_g) / (std_g + eps)                 Shao et al., 2024 (DeepSeekMath)
+        batch   A_i = (r_i − mean_g) / (std_batch + eps)
+        none    A_i = r_i − mean_g                                   Liu et al., 2025 (Dr. GRPO)
+
+    mean_g and std_g are over the completion's group; std_batch over all N rewards. Standard
+    deviations are population ones (divide by n, not n − 1) — a deliberate difference from TRL, which
+    uses the Bessel-corrected std; with group_size 4 that rescales every advantage by √(4/3). "batch"
+    still centres each group on its own mean (only the scale is shared), as TRL's scale_rewards="batch"
+    does: advantages stay comparable across prompts of different difficulty. Dr. GRPO drops the std
+    because it up-weights prompts that are nearly always right or wrong. A group whose rewards are all
+    equal gets advantage 0 under every scale.
+    """
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 (a group needs siblings to compare with), got {group_size}")
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, "
+                         f"got shape {tuple(rewards.shape)}")
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    grouped = r.view(-1, group_size)  # (N / G, G)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # (N,)
+    if scale == "none":
+        return centred
+    if scale == "group":
+        std = grouped.std(dim=1, unbiased=False, keepdim=True).expand_as(grouped).reshape(-1)  # (N,)
+    else:
+        std = r.std(unbiased=False)
+    return centred / (std + eps)
+
+
+def grpo_loss(
+    logps: torch.Tensor,  # (B, T) current policy, per token
+    old_logps: torch.Tensor | None,  # (B, T) policy that sampled the rollouts
+    ref_logps: torch.Tensor | None,  # (B, T) frozen reference
+    advantages: torch.Tensor,  # (B,)
+    mask: torch.Tensor,  # (B, T), 1 on completion tokens
+    clip_eps: float = 0.2,
+    kl_coef: float = 0.01,
+    loss_type: str = "token",
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-gradient loss with a KL penalty to a reference (GRPO, Shao et al., 2024).
+
+    Per completion token, with ρ = exp(logps − old_logps), r = exp(ref_logps − logps) and the
+    sequence's advantage A broadcast over its tokens:
+
+        ℓ_t = −min(ρ·A, clip(ρ, 1 − ε, 1 + ε)·A) + kl_coef · (r − log r − 1)
+
+    The KL term is Schulman's k3 estimator of KL(π ‖ π_ref): unbiased, always ≥ 0. The loss_type picks
+    how the masked ℓ_t are averaged:
+
+        token    Σ_{b,t} m·ℓ / Σ_{b,t} m             every completion token weighs the same (DAPO, Yu
+                                                     et al., 2025; TRL's default family)
+        grpo     mean_b( Σ_t m·ℓ / Σ_t m )           per-sequence mean, then batch mean (DeepSeekMath);
+                                                     long completions' tokens count less
+        dr_grpo  Σ_{b,t} m·ℓ / (B · max_len)          a constant divisor (Liu et al., 2025, Dr. GRPO);
+                                                     max_len defaults to T, the padded length
+
+    `old_logps`, `ref_logps` and `advantages` are constants: detached here, so gradients reach `logps`
+    only. `old_logps=None` means one pass on fresh rollouts (old = logps.detach(), so ρ = 1);
+    `ref_logps=None` is allowed when kl_coef == 0.
+
+    Metrics (detached): `policy_loss` (the clipped term alone, reduced as the loss), `kl` (mean k3 over
+    completion tokens; 0 without a reference), `clip_ratio` (the fraction of completion tokens where
+    the clipped branch wins the min, so the token gives no gradient: ρ < 1 − ε with A < 0, or
+    ρ > 1 + ε with A > 0 — TRL's "region clipped" count; a ratio outside the band on the side that
+    would lower the loss is not counted, because PPO's min keeps its gradient).
+    """
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
+    if not clip_eps > 0:
+        raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if ref_logps is None and kl_coef:
+        raise ValueError(f"ref_logps is None but kl_coef={kl_coef}: pass reference log-probs or set kl_coef=0")
+    if mask.shape != logps.shape or advantages.shape != logps.shape[:1]:
+        raise ValueError(f"expected logps and mask (B, T) and advantages (B,), got logps {tuple(logps.shape)}, "
+                         f"mask {tuple(mask.shape)}, advantages {tuple(advantages.shape)}")
+
+    dtype = torch.promote_types(logps.dtype, torch.float32)
+    logps = logps.to(dtype)
+    m = mask.to(dtype)
+    old = logps.detach() if old_logps is None else old_logps.detach().to(dtype)
+    adv = advantages.detach().to(dtype).unsqueeze(1)  # (B, 1)
+    ratio = torch.exp(logps - old)  # (B, T)
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    per_token_pg = -torch.min(ratio * adv, clipped * adv)  # (B, T)
+    if ref_logps is not None:
+        log_r = ref_logps.detach().to(dtype) - logps
+        per_token_kl = torch.exp(log_r) - log_r - 1  # (B, T)
+    else:
+        per_token_kl = torch.zeros_like(logps)
+
+    def reduce(per_token: torch.Tensor) -> torch.Tensor:
+        if loss_type == "token":
+            return (per_token * m).sum() / m.sum().clamp(min=1)
+        if loss_type == "grpo":
+            return ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()
+        return (per_token * m).sum() / (logps.size(0) * (logps.size(1) if max_len is None else max_len))
+
+    policy_loss = reduce(per_token_pg)
+    loss = policy_loss + kl_coef * reduce(per_token_kl) if kl_coef else policy_loss
+    with torch.no_grad():
+        tokens = m.sum().clamp(min=1)
+        region_clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
+        metrics = {
+            "policy_loss": policy_loss.detach(),
+            "kl": (per_token_kl.detach() * m).sum() / tokens,
+            "clip_ratio": (region_clipped.to(dtype) * m).sum() / tokens,
+        }
+    return loss, metrics

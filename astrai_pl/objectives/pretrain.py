@@ -1,0 +1,53 @@
+"""Pretraining: next-token cross-entropy over every token, plus the MoE load-balancing loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+
+from ..model import ModelConfig
+from .base import Objective
+from .losses import cross_entropy, next_token_labels
+
+
+class Pretrain(Objective):
+    """Causal language modelling: L = CE(next token) + router_aux_loss_coef · aux (MoE only)."""
+
+    def __init__(
+        self,
+        arch: ModelConfig | None = None,
+        init_from: str | None = None,
+        tokenizer: Any = None,
+        optimizer: OptimizerCallable | None = None,
+        scheduler: LRSchedulerCallable | None = None,
+        label_smoothing: float = 0.0,
+    ):
+        """
+        Args:
+            arch: Shape of a freshly initialised model (ignored when init_from is set).
+            init_from: Start from these weights: a Hugging Face directory or an astrai-pl .ckpt.
+            tokenizer: Set from the data module; used by export callbacks and sample generation.
+            optimizer: Optimizer class and arguments (default AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1);
+                its weight decay applies to matrices and embeddings, never to norms and biases.
+            scheduler: Learning-rate schedule stepped per optimizer step (e.g. WarmupCosine).
+            label_smoothing: ε of the smoothed cross-entropy (0 = plain cross-entropy).
+        """
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"Pretrain.label_smoothing={label_smoothing}: must lie in [0, 1)")
+        super().__init__(arch, init_from, tokenizer, optimizer, scheduler)
+        self.label_smoothing = label_smoothing
+        self.save_hyperparameters(ignore=["tokenizer", "optimizer", "scheduler"])
+
+    def _shared_step(self, batch: dict[str, torch.Tensor], stage: str):
+        out = self.model(batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"))
+        targets = next_token_labels(batch["labels"])
+        tokens = (targets != -100).sum()
+        loss, metrics = cross_entropy(out.logits, targets, label_smoothing=self.label_smoothing,
+                                      normalizer=self.accumulation_scale(batch, tokens))
+        if out.aux_loss is not None:
+            weighted = self.arch.router_aux_loss_coef * out.aux_loss
+            loss = loss + weighted
+            metrics.update(aux_loss=out.aux_loss.detach(), aux_loss_weighted=weighted.detach())
+        return loss, metrics
