@@ -1,0 +1,246 @@
+"""Preflight: checks that fail before the first step, each with a DataError naming the reason and the fix.
+
+`check_tokenizer` runs the tokenizer-side checks on probe rows (special tokens exist, the chat
+template renders and renders each message the same alone as in the conversation, the end-of-turn
+token is trained in trained turns); `check_bos_once` and `check_trained_tokens` scan encoded rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .packing import column_of, ragged
+from .preprocess import (
+    Section,
+    bos_pieces,
+    encode_pieces,
+    generation_prompt,
+    render_example,
+    render_message,
+    section_pieces,
+)
+from .rows import DataError, check_policy, log_skipped
+
+log = logging.getLogger(__name__)
+
+PROBE_MESSAGES = (
+    {"role": "system", "content": "You answer arithmetic questions."},
+    {"role": "user", "content": "What is 12 + 30?"},
+    {"role": "assistant", "content": "42"},
+    {"role": "user", "content": "And 7 - 9?"},
+    {"role": "assistant", "content": "-2"},
+)
+
+
+def _probe(section: Section) -> list[dict[str, str]]:
+    return [m for m in PROBE_MESSAGES if m["role"] in section.roles]
+
+
+def check_special_tokens(tokenizer: Any, sections: Sequence[Section], vocab_size: int | None = None) -> None:
+    """EOS and pad exist (and a chat template when a section uses one), all ids below `vocab_size`."""
+    named = {
+        "eos_token": tokenizer.eos_token_id,
+        "pad_token": tokenizer.pad_token_id,
+        "bos_token": tokenizer.bos_token_id,
+    }
+    for name in ("eos_token", "pad_token"):
+        if named[name] is None:
+            raise DataError(
+                f"the tokenizer has no {name}",
+                name,
+                f"set '{name}' in the tokenizer folder's tokenizer_config.json",
+            )
+    if any(s.template for s in sections) and getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(
+            "a section uses the chat template but the tokenizer has none",
+            "chat_template",
+            "add 'chat_template' to tokenizer_config.json, or set template: false",
+        )
+    ids = {**named, **{f"eos_token_ids[{i}]": t for i, t in enumerate(tokenizer.eos_token_ids)}}
+    too_big = {k: v for k, v in ids.items() if v is not None and vocab_size is not None and v >= vocab_size}
+    if too_big:
+        raise DataError(
+            f"special token ids {too_big} do not exist in a model of vocab_size={vocab_size}",
+            next(iter(too_big)),
+            "use the model's own tokenizer, or resize the model's vocabulary",
+        )
+
+
+def check_template(tokenizer: Any, section: Section) -> None:
+    """The template renders the probe conversation, and rendering each message alone (then encoding
+    the masked/trained pieces) gives the same text and the same ids as rendering the whole of it."""
+    messages = _probe(section)
+    try:
+        whole = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as err:
+        raise DataError(
+            f"the chat template failed to render a conversation: {err}",
+            section.field,
+            "fix the tokenizer's chat_template (tokenizer_config.json)",
+        ) from err
+    bos = getattr(tokenizer, "bos_token", None)
+    whole = whole[len(bos) :] if bos and whole.startswith(bos) else whole
+    parts = "".join(render_message(tokenizer, m, section.field) for m in messages)
+    if parts != whole:
+        at = next((i for i, (a, b) in enumerate(zip(parts, whole)) if a != b), min(len(parts), len(whole)))
+        raise DataError(
+            f"messages rendered one by one differ from the whole conversation at character {at}: "
+            f"{parts[at : at + 40]!r} vs {whole[at : at + 40]!r} (the template depends on other "
+            "messages, e.g. adds a default system prompt)",
+            section.field,
+            "use a template that renders each message independently (e.g. ChatML)",
+        )
+    pieces = section_pieces({section.field: messages}, section, tokenizer, generation_prompt(tokenizer))
+    ((ids, _),) = encode_pieces([pieces], tokenizer)
+    if ids != tokenizer.encode(whole, add_special_tokens=False):
+        raise DataError(
+            "encoding messages (and their role headers) one by one gives other ids than encoding "
+            "the whole conversation: tokens merge across a boundary",
+            section.field,
+            "use a tokenizer whose template separates messages with special tokens",
+        )
+
+
+def check_end_of_turn(tokenizer: Any, sections: Sequence[Section]) -> None:
+    """Every trained turn trains a token that ends generation (EOS or the template's end-of-turn)."""
+    stops = set(tokenizer.eos_token_ids)
+    header = generation_prompt(tokenizer) if any(s.template for s in sections) else ""
+    masks_some = any(s.template or s.action == "mask" for s in sections)
+    for section in sections:
+        if not section.template:
+            if masks_some and section.action == "train" and not section.eos:
+                raise DataError(
+                    "a trained section ends without EOS, so the model never learns to stop",
+                    section.field,
+                    f"set eos: true on the section for '{section.field}'",
+                )
+            continue
+        for message in _probe(section):
+            if section.roles[message["role"]] != "train":
+                continue
+            pieces = [
+                p for p in section_pieces({section.field: [message]}, section, tokenizer, header) if p[1]
+            ]
+            ((ids, _),) = encode_pieces([pieces], tokenizer)
+            if not stops.intersection(ids):
+                raise DataError(
+                    f"a trained {message['role']!r} turn trains {tokenizer.decode(ids)!r}, which holds "
+                    f"none of the end-of-generation ids {sorted(stops)}",
+                    section.field,
+                    "name the template's end-of-turn token as eos_token in tokenizer_config.json",
+                )
+
+
+def check_tokenizer(tokenizer: Any, sections: Sequence[Section], vocab_size: int | None = None) -> None:
+    """All tokenizer-side preflight checks for `sections`."""
+    check_special_tokens(tokenizer, sections, vocab_size)
+    for section in sections:
+        if section.template:
+            check_template(tokenizer, section)
+    check_end_of_turn(tokenizer, sections)
+    check_bos_once([{"input_ids": _probe_ids(tokenizer, sections)}], tokenizer, "probe row")
+
+
+def _probe_ids(tokenizer: Any, sections: Sequence[Section]) -> list[int]:
+    pieces = bos_pieces(sections, tokenizer)
+    for section in sections:
+        row = {section.field: _probe(section) if section.template else "probe text"}
+        pieces += section_pieces(
+            row, section, tokenizer, generation_prompt(tokenizer) if section.template else ""
+        )
+    return encode_pieces([pieces], tokenizer)[0][0]
+
+
+def check_bos_once(
+    rows: Any, tokenizer: Any, source: str, lines: Sequence[int] | None = None, ids_column: str = "input_ids"
+) -> None:
+    """No encoded row starts with two BOS tokens (the template or the text already had one)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return
+    values, offsets = ragged(column_of(rows, ids_column))
+    starts = offsets[:-1][np.diff(offsets) >= 2]
+    doubled = starts[(values[starts] == bos) & (values[starts + 1] == bos)]
+    if len(doubled):
+        i = int(np.searchsorted(offsets, doubled[0], side="right")) - 1
+        line, unit = (lines[i], "line") if lines is not None else (i + 1, "row")
+        raise DataError(
+            f"the row starts with BOS twice ({len(doubled)} row(s) do)",
+            ids_column,
+            "drop the BOS from the chat template or the text; BOS is added once, before the first message",
+            source,
+            line,
+            unit,
+        )
+
+
+def trained_targets(
+    rows: Any,
+    max_seq_len: int,
+    packing: str = "bfd",
+    truncation: str = "right",
+    mask_column: str = "loss_mask",
+) -> np.ndarray:
+    """Per row: trained targets left once it fits max_seq_len (-1 for a row truncation='drop' drops).
+
+    The first token of a document is never a target (nothing of the document precedes it).
+    """
+    values, offsets = ragged(column_of(rows, mask_column))
+    lengths = np.diff(offsets)
+    cut = packing != "bfd_split" and truncation != "drop"
+    lo = offsets[:-1] + (np.maximum(lengths - max_seq_len, 0) if cut and truncation == "left" else 0)
+    hi = offsets[:-1] + (np.minimum(lengths, max_seq_len) if cut and truncation == "right" else lengths)
+    csum = np.concatenate([[0], np.cumsum(values != 0)])
+    counts = csum[hi] - csum[np.minimum(lo + 1, hi)]
+    if packing != "bfd_split" and truncation == "drop":
+        counts = np.where(lengths > max_seq_len, -1, counts)
+    return counts
+
+
+def check_trained_tokens(
+    rows: Any,
+    max_seq_len: int,
+    packing: str = "bfd",
+    truncation: str = "right",
+    *,
+    source: str = "dataset",
+    lines: Sequence[int] | None = None,
+    on_bad_row: str = "error",
+    mask_column: str = "loss_mask",
+) -> np.ndarray:
+    """Indices of the rows to keep: those with >= 1 trained target once they fit max_seq_len. A row left
+    with none raises DataError, or with on_bad_row='skip' is left out (counted and logged)."""
+    check_policy(on_bad_row)
+    names = rows.column_names if hasattr(rows, "column_names") else (list(rows[0]) if len(rows) else [])
+    if mask_column not in names:
+        return np.arange(len(rows))  # no mask: every token trains
+    counts = trained_targets(rows, max_seq_len, packing, truncation, mask_column)
+    bad = np.flatnonzero(counts == 0)
+    if len(bad) and on_bad_row == "error":
+        i = int(bad[0])
+        line, unit = (lines[i], "line") if lines is not None else (i + 1, "row")
+        raise DataError(
+            f"no trained token left once the row fits max_seq_len={max_seq_len} (packing={packing}, "
+            f"truncation={truncation}; {len(bad)} row(s) like this)",
+            mask_column,
+            "raise max_seq_len, use truncation 'left' or packing 'bfd_split', shorten the prompt, "
+            "check the roles' train/mask rules, or pass on_bad_row='skip'",
+            source,
+            line,
+            unit,
+        )
+    if len(bad):
+        log_skipped([f"row {i + 1}: no trained token left" for i in bad], source)
+    return np.flatnonzero(counts != 0)
+
+
+def describe_example(
+    rows: Any, tokenizer: Any, index: int = 0, ids_column: str = "input_ids", mask_column: str = "loss_mask"
+) -> str:
+    """One encoded row decoded with its trained spans wrapped in [[ ]] (what a run prints at start)."""
+    row = rows[index]
+    return render_example(row[ids_column], row.get(mask_column), tokenizer)

@@ -1,0 +1,195 @@
+"""Reading and checking raw rows: `DataError`, the JSONL reader, and the per-row field checks.
+
+Every problem with user data raises `DataError`, whose message names the file, the line (JSONL) or row
+(any other source, 1-based), the field and the fix. With `on_bad_row="skip"` the caller drops the row
+instead and logs how many were dropped and why; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any, NamedTuple
+
+log = logging.getLogger(__name__)
+
+BAD_ROW_POLICIES = ("error", "skip")
+MESSAGE_KEYS = ("role", "content")
+
+
+class DataError(ValueError):
+    """A data file or row is malformed, or the data cannot train the model as configured."""
+
+    def __init__(
+        self,
+        reason: str,
+        field: str | None = None,
+        fix: str | None = None,
+        source: str | None = None,
+        line: int | None = None,
+        unit: str = "line",
+    ):
+        self.reason, self.field, self.fix = reason, field, fix
+        self.source, self.line, self.unit = source, line, unit
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        where = [
+            part for part in (self.source, None if self.line is None else f"{self.unit} {self.line}") if part
+        ]
+        if self.field is not None:
+            where.append(f"field '{self.field}'")
+        text = f"{', '.join(where)}: {self.reason}" if where else self.reason
+        return f"{text}. Fix: {self.fix}" if self.fix else text
+
+    def at(self, source: str | None, line: int | None, unit: str = "line") -> DataError:
+        """The same error located in `source` at `unit` `line` (kept where already known)."""
+        return DataError(
+            self.reason,
+            self.field,
+            self.fix,
+            self.source or source,
+            self.line if self.line is not None else line,
+            unit if self.line is None else self.unit,
+        )
+
+    def __reduce__(self):  # keeps the fields across datasets' worker processes
+        return (DataError, (self.reason, self.field, self.fix, self.source, self.line, self.unit))
+
+
+def check_policy(on_bad_row: str) -> None:
+    if on_bad_row not in BAD_ROW_POLICIES:
+        raise ValueError(f"on_bad_row={on_bad_row!r} is not one of {BAD_ROW_POLICIES}; use 'error' or 'skip'")
+
+
+# --- field checks ---------------------------------------------------------------------------------
+
+
+def require_field(row: dict[str, Any], name: str) -> Any:
+    """`row[name]`, or a DataError naming the missing field and the fields the row does have."""
+    if name not in row or row[name] is None:
+        present = ", ".join(sorted(k for k, v in row.items() if v is not None)) or "none"
+        raise DataError(
+            "missing field",
+            name,
+            f"add '{name}' to every row, or point the section at one of the fields present ({present})",
+        )
+    return row[name]
+
+
+def require_text(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(
+            f"expected a string, got {type(value).__name__} {_preview(value)}",
+            field,
+            "store text fields as JSON strings",
+        )
+    return value
+
+
+def check_messages(value: Any, field: str, roles: Collection[str]) -> list[dict[str, Any]]:
+    """A non-empty list of {role, content} dicts whose roles are in `roles` and whose contents are strings."""
+    if not isinstance(value, list):
+        raise DataError(
+            f"expected a list of messages, got {type(value).__name__} {_preview(value)}",
+            field,
+            'store a conversation as [{"role": "user", "content": "..."}, ...]',
+        )
+    if not value:
+        raise DataError("empty conversation", field, "drop the row or give it at least one message")
+    for i, message in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(message, dict):
+            raise DataError(
+                f"expected a message object, got {_preview(message)}",
+                where,
+                'write each message as {"role": ..., "content": ...}',
+            )
+        missing = [key for key in MESSAGE_KEYS if key not in message]
+        if missing:
+            raise DataError(
+                f"message has no '{missing[0]}' (keys: {', '.join(sorted(message)) or 'none'})",
+                where,
+                'write each message as {"role": ..., "content": ...}',
+            )
+        if not isinstance(message["role"], str) or message["role"] not in roles:
+            raise DataError(
+                f"unknown role {message['role']!r}",
+                f"{where}.role",
+                f"use one of {', '.join(roles)}, or add a rule for it to the section's roles",
+            )
+        require_text(message["content"], f"{where}.content")
+    return value
+
+
+def _preview(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+# --- JSONL ----------------------------------------------------------------------------------------
+
+
+class JsonlRows(NamedTuple):
+    rows: list[dict[str, Any]]
+    """The good rows, in file order."""
+    lines: list[int]
+    """The 1-based line number of each good row."""
+    skipped: int
+    """Bad lines dropped (on_bad_row='skip')."""
+
+
+def read_jsonl(
+    path: str | Path, check: Callable[[dict[str, Any]], Any] | None = None, on_bad_row: str = "error"
+) -> JsonlRows:
+    """Parse and check a JSONL file before `datasets` sees it; blank lines are ignored.
+
+    `check(row)` raises DataError for a bad row (see `preprocess.check_row`). With on_bad_row="skip",
+    bad lines (malformed JSON included) are dropped, counted and logged with their first reasons.
+    """
+    check_policy(on_bad_row)
+    rows, lines, skipped = [], [], []
+    with open(path, encoding="utf-8") as handle:
+        numbered = [(n, t) for n, t in enumerate(handle, start=1) if t.strip()]
+    for number, text in numbered:
+        try:
+            row = _parse_line(text)
+            if check is not None:
+                check(row)
+        except DataError as err:
+            located = err.at(str(path), number)
+            if on_bad_row == "error":
+                raise located from None
+            skipped.append(located)
+            continue
+        rows.append(row)
+        lines.append(number)
+    log_skipped(skipped, str(path))
+    return JsonlRows(rows, lines, len(skipped))
+
+
+def _parse_line(text: str) -> dict[str, Any]:
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(
+            f"malformed JSON ({err.msg} at column {err.colno})",
+            fix="repair the line, or pass on_bad_row='skip' to drop it",
+        ) from None
+    if not isinstance(row, dict):
+        raise DataError(
+            f"expected a JSON object per line, got {type(row).__name__}",
+            fix='write one object per line, e.g. {"text": "..."}',
+        )
+    return row
+
+
+def log_skipped(errors: list[DataError] | list[str], source: str, shown: int = 3) -> None:
+    """One warning with the number of skipped rows and the first reasons."""
+    if not errors:
+        return
+    reasons = "; ".join(str(e) for e in errors[:shown])
+    more = f" (and {len(errors) - shown} more)" if len(errors) > shown else ""
+    log.warning("%s: skipped %d bad row(s) (on_bad_row='skip'): %s%s", source, len(errors), reasons, more)

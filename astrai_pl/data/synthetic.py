@@ -1,0 +1,127 @@
+"""The built-in post-training task: arithmetic questions from a seeded generator ("What is 37 + 48?" -> "85").
+
+Offered as SFT conversations, DPO pairs (the right answer chosen over a near miss) and GRPO prompts with
+an `answer` column. Whether a problem is held out depends only on the problem itself (a CRC of its
+text), so the `test` split never shares a problem with `train`, whatever the seed or the row count.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from datasets import Dataset
+
+OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+SPLITS = ("train", "test")
+KINDS = ("sft", "dpo", "grpo")
+NUMBER = re.compile(r"-?\d+(?:,\d{3})*")
+NEAR_MISSES = (-10, -2, -1, 1, 2, 10)
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    op: str
+    b: int
+
+    @property
+    def question(self) -> str:
+        return f"What is {self.a} {self.op} {self.b}?"
+
+    @property
+    def answer(self) -> str:
+        return str(OPERATORS[self.op](self.a, self.b))
+
+
+def is_held_out(problem: Problem, fraction: float = 0.1) -> bool:
+    """True for about `fraction` of all problems, fixed by the problem's text alone."""
+    return zlib.crc32(problem.question.encode()) % 10_000 < fraction * 10_000
+
+
+def problems(
+    n: int,
+    split: str = "train",
+    seed: int = 0,
+    ops: Sequence[str] = ("+", "-"),
+    max_operand: int = 99,
+    held_out_fraction: float = 0.1,
+) -> list[Problem]:
+    """`n` problems (repeats possible) with operands in [0, max_operand], all of `split` (train or test)."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}; use one of {SPLITS}")
+    unknown = [op for op in ops if op not in OPERATORS]
+    if unknown or not ops:
+        raise ValueError(f"ops={list(ops)}; use a non-empty subset of {sorted(OPERATORS)}")
+    if not 0.0 < held_out_fraction < 1.0:
+        raise ValueError(f"held_out_fraction={held_out_fraction}; must lie in (0, 1)")
+    rng = random.Random(f"{seed}:{split}")
+    out: list[Problem] = []
+    while len(out) < n:
+        p = Problem(rng.randint(0, max_operand), rng.choice(list(ops)), rng.randint(0, max_operand))
+        if is_held_out(p, held_out_fraction) == (split == "test"):
+            out.append(p)
+    return out
+
+
+def wrong_answer(problem: Problem, rng: random.Random) -> str:
+    """A near miss: the right answer plus a small nonzero offset."""
+    return str(int(problem.answer) + rng.choice(NEAR_MISSES))
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def _assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+def generate_rows(kind: str, n: int, split: str = "train", seed: int = 0, **options) -> Iterator[dict]:
+    """Rows of one kind: sft {messages}, dpo {prompt, chosen, rejected} (as messages), grpo {prompt, answer}."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}; use one of {KINDS}")
+    rng = random.Random(f"{seed}:{split}:wrong")
+    for p in problems(n, split, seed, **options):
+        if kind == "sft":
+            yield {"messages": [_user(p.question), _assistant(p.answer)]}
+        elif kind == "dpo":
+            yield {
+                "prompt": [_user(p.question)],
+                "chosen": [_assistant(p.answer)],
+                "rejected": [_assistant(wrong_answer(p, rng))],
+            }
+        else:
+            yield {"prompt": [_user(p.question)], "answer": p.answer}
+
+
+def synthetic_dataset(
+    kind: str, n: int, split: str = "train", seed: int = 0, cache_dir: str | None = None, **options
+) -> Dataset:
+    """`generate_rows` as a 🤗 Dataset; file-backed and cached by its arguments, so maps over it cache too."""
+    # lists in gen_kwargs would be split into shards by `datasets`; tuples are passed whole
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    kwargs = dict(kind=kind, n=n, split=split, seed=seed, **options)
+    return Dataset.from_generator(generate_rows, gen_kwargs=kwargs, cache_dir=cache_dir)
+
+
+def extract_answer(text: str) -> str | None:
+    """The last integer in `text` (thousands separators removed), or None."""
+    found = NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def exact_match(prediction: str, answer: str | int) -> float:
+    """1.0 when the last integer of `prediction` equals `answer`, else 0.0."""
+    return float(extract_answer(prediction) == str(answer).strip())
+
+
+def accuracy(predictions: Sequence[str], answers: Sequence[str | int]) -> float:
+    """Mean exact match."""
+    if len(predictions) != len(answers):
+        raise ValueError(f"{len(predictions)} predictions for {len(answers)} answers")
+    return sum(map(exact_match, predictions, answers)) / max(1, len(answers))

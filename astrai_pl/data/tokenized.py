@@ -1,0 +1,158 @@
+"""Encode a whole 🤗 `Dataset` with `Dataset.map` (batched, cached by fingerprint, `num_proc`).
+
+A file-backed dataset (loaded from files, `from_generator`, `load_from_disk`) is cached: a second run
+with the same rows, sections and tokenizer reads the encoded rows back instead of encoding them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import datasets
+from datasets import Dataset, load_dataset
+from datasets.exceptions import DatasetGenerationError
+
+from .preprocess import ROW_KINDS, Section, check_row, encode_pieces, generation_prompt
+from .rows import DataError, check_policy, log_skipped, read_jsonl
+
+log = logging.getLogger(__name__)
+ERROR_COLUMN = "_error"
+
+
+def _encode_batch(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    kind: str,
+    sections: Sequence[Section],
+    tokenizer: Any,
+    source: str,
+    lines: Sequence[int] | None,
+    on_bad_row: str,
+) -> dict[str, list]:
+    segments_of, columns_of, count = ROW_KINDS[kind]
+    header = generation_prompt(tokenizer) if any(s.template for s in sections) else ""
+    names = list(batch)
+    planned, errors = [], []
+    for index, values in zip(indices, zip(*batch.values())):
+        try:
+            planned.append(segments_of(dict(zip(names, values)), sections, tokenizer, header))
+            errors.append("")
+        except DataError as err:
+            located = err.at(source, index + 1, "row") if lines is None else err.at(source, lines[index])
+            if on_bad_row == "error":
+                raise located from None
+            planned.append([[]] * count)  # an empty row, dropped after the map
+            errors.append(str(located))
+    encoded = iter(encode_pieces([seg for segs in planned for seg in segs], tokenizer))
+    rows = [columns_of([next(encoded) for _ in segs], sections) for segs in planned]
+    out = {key: [row[key] for row in rows] for key in rows[0]}
+    if on_bad_row == "skip":
+        out[ERROR_COLUMN] = errors
+    return out
+
+
+def tokenize_dataset(
+    dataset: Dataset,
+    sections: Sequence[Section],
+    tokenizer: Any,
+    *,
+    kind: str = "sft",
+    source: str | None = None,
+    lines: Sequence[int] | None = None,
+    on_bad_row: str = "error",
+    num_proc: int | None = None,
+    batch_size: int = 1000,
+) -> Dataset:
+    """Encode every row (kind sft: input_ids[, loss_mask]; dpo: chosen_/rejected_…; grpo: prompt_ids).
+
+    sft and dpo keep only the encoded columns; grpo keeps the row's other columns (e.g. `answer`) for
+    the reward functions. A bad row raises DataError naming `source` and its line (`lines[i]`, from
+    `rows.read_jsonl`) or its 1-based row number; with on_bad_row="skip" it is dropped and logged.
+    """
+    check_policy(on_bad_row)
+    if kind not in ROW_KINDS:
+        raise ValueError(f"kind={kind!r}; use one of {sorted(ROW_KINDS)}")
+    source = source or (dataset.info.dataset_name or "dataset")
+    if len(dataset) == 0:
+        raise DataError(
+            "no rows to encode", fix="check the path, the split and the held-out fraction", source=source
+        )
+    removed = [] if kind == "grpo" else dataset.column_names
+    kwargs = dict(
+        kind=kind,
+        sections=list(sections),
+        tokenizer=tokenizer,
+        source=source,
+        lines=None if lines is None else list(lines),
+        on_bad_row=on_bad_row,
+    )
+    encoded = dataset.map(
+        _encode_batch,
+        batched=True,
+        batch_size=batch_size,
+        with_indices=True,
+        fn_kwargs=kwargs,
+        remove_columns=removed,
+        num_proc=num_proc,
+        desc=f"encoding {kind} rows",
+    )
+    if on_bad_row == "skip":
+        encoded = _drop_bad_rows(encoded, source)
+    return encoded
+
+
+def _drop_bad_rows(encoded: Dataset, source: str) -> Dataset:
+    errors = [e for e in encoded[ERROR_COLUMN] if e]
+    log_skipped(errors, source)
+    if len(errors) == len(encoded):
+        raise DataError(f"every row is bad ({errors[0]})", fix="fix the rows or the sections", source=source)
+    if errors:
+        encoded = encoded.filter(_is_good, input_columns=ERROR_COLUMN, batched=True)
+    return encoded.remove_columns(ERROR_COLUMN)
+
+
+def _is_good(errors: list[str]) -> list[bool]:
+    return [not e for e in errors]
+
+
+def load_jsonl(
+    path: str | Path, sections: Sequence[Section], *, on_bad_row: str = "error", cache_dir: str | None = None
+) -> tuple[Dataset, list[int]]:
+    """A JSONL file checked line by line against `sections`, as a Dataset, and each row's line number.
+
+    The rows are loaded through `datasets`' json builder, so the Dataset is file-backed and
+    `tokenize_dataset` caches. When lines were skipped, the good rows are first written to a copy
+    named by their content hash under `cache_dir` (or the `datasets` cache), so that caches too.
+    """
+    rows, lines, skipped = read_jsonl(path, partial(check_row, sections=sections), on_bad_row)
+    if not rows:
+        raise DataError("no rows", fix="the file is empty or every line was bad", source=str(path))
+    target = Path(path) if skipped == 0 else _clean_copy(rows, cache_dir)
+    try:
+        return load_dataset("json", data_files=str(target), split="train", cache_dir=cache_dir), lines
+    except DatasetGenerationError as err:
+        raise DataError(
+            f"datasets could not build a table from the rows ({err.__cause__ or err})",
+            fix="give each field one JSON type in every row",
+            source=str(path),
+        ) from err
+
+
+def _clean_copy(rows: list[dict[str, Any]], cache_dir: str | None) -> Path:
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    folder = Path(cache_dir or datasets.config.HF_DATASETS_CACHE) / "astrai_pl_checked_rows"
+    target = folder / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
+    if not target.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial_file = target.with_suffix(f".tmp{os.getpid()}")
+        partial_file.write_text(text, encoding="utf-8")
+        os.replace(partial_file, target)
+    return target

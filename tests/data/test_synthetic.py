@@ -1,0 +1,62 @@
+import pytest
+
+from astrai_pl.data.preflight import check_tokenizer
+from astrai_pl.data.preprocess import encode_preference, encode_prompt, encode_row, infer_sections
+from astrai_pl.data.synthetic import (
+    Problem,
+    accuracy,
+    exact_match,
+    extract_answer,
+    generate_rows,
+    problems,
+    synthetic_dataset,
+)
+from astrai_pl.tokenizer import Tokenizer
+
+
+def test_problems_are_seeded_correct_and_the_held_out_split_is_disjoint():
+    train = problems(3000, "train", seed=1, ops=("+", "-", "*"))
+    test = problems(500, "test", seed=1, ops=("+", "-", "*"))
+    assert train == problems(3000, "train", seed=1, ops=("+", "-", "*"))
+    assert train != problems(3000, "train", seed=2, ops=("+", "-", "*"))
+    assert not set(train) & set(test)
+    assert {p.op for p in train} == {"+", "-", "*"}
+    assert Problem(37, "+", 48).question == "What is 37 + 48?" and Problem(37, "+", 48).answer == "85"
+    assert Problem(3, "-", 9).answer == "-6" and Problem(12, "*", 11).answer == "132"
+    with pytest.raises(ValueError, match="split"):
+        problems(1, "validation")
+
+
+def test_rows_of_each_kind_encode_with_the_inferred_sections():
+    tok = Tokenizer.byte_level()
+    sft, dpo, grpo = (next(generate_rows(kind, 1, seed=3)) for kind in ("sft", "dpo", "grpo"))
+    question = sft["messages"][0]["content"]
+    assert dpo["prompt"][0]["content"] == grpo["prompt"][0]["content"] == question
+    assert dpo["chosen"][0]["content"] == grpo["answer"] == sft["messages"][1]["content"]
+    assert dpo["rejected"][0]["content"] != dpo["chosen"][0]["content"]
+    for row, kind, encode in (
+        (sft, "sft", encode_row),
+        (dpo, "dpo", encode_preference),
+        (grpo, "grpo", encode_prompt),
+    ):
+        sections = infer_sections(row, kind)
+        check_tokenizer(tok, sections)
+        assert encode(row, sections, tok)
+
+
+def test_synthetic_dataset_is_cached_by_its_arguments(tmp_path):
+    first = synthetic_dataset("grpo", 50, split="test", cache_dir=str(tmp_path))
+    again = synthetic_dataset("grpo", 50, split="test", cache_dir=str(tmp_path))
+    assert first.cache_files == again.cache_files and first["answer"] == again["answer"]
+    assert first.column_names == ["prompt", "answer"]
+    assert len(synthetic_dataset("sft", 30, ops=["+", "*"], cache_dir=str(tmp_path))) == 30
+
+
+def test_answer_extraction_and_exact_match():
+    assert extract_answer("The answer is 85.") == "85"
+    assert extract_answer("37 + 48 = 85") == "85"
+    assert extract_answer("it is -12") == "-12"
+    assert extract_answer("1,234") == "1234"
+    assert extract_answer("no idea") is None
+    assert exact_match("85<|im_end|>", "85") == 1.0 and exact_match("84", 85) == 0.0
+    assert accuracy(["85", "7", "x"], ["85", "8", "1"]) == pytest.approx(1 / 3)
