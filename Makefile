@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint setup
+.PHONY: demo test lint setup cuda-check
 
 setup: $(STAMP)
 
@@ -24,9 +24,13 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(STAMP)
 	$(PY) -m astrai_pl.demo
 
+# The kernels compile without a GPU wherever nvcc is installed; `test` checks them first there.
+cuda-check: $(STAMP)
+	$(PY) -m astrai_pl.ops.check
+
 test: $(STAMP)
+	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) --no-print-directory cuda-check; fi
 	$(PY) -m pytest -q -x --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check astrai_pl tests benchmarks
-	$(VENV)/bin/ruff format --check astrai_pl tests benchmarks

@@ -1,0 +1,235 @@
+"""The fused ops: the CUDA kernel where it can run, else the PyTorch reference of the same signature.
+
+A call runs the kernel when its tensors are on a CUDA device and `available()` is True; otherwise it
+runs the reference, and the first such fallback in a process logs one line. `override_available(False)`
+forces the references; `override_available(True)` forces the kernels and raises `KernelsUnavailable`
+where they cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import ModuleType
+
+import torch
+
+from . import build, reference
+from .build import KernelsUnavailable
+
+_DECODE_MIN_SPLIT = 256  # tokens: shorter chunks cost more in merging than they gain in parallelism
+_DECODE_MAX_SPLITS = 64
+
+
+def _kernels(op: str, t: torch.Tensor) -> ModuleType | None:
+    """The extension when this call should run the kernel, else None (and the fallback is logged once)."""
+    forced = build.forced()
+    if forced is False:
+        return None
+    if t.is_cuda and (forced or build.available()):
+        return build.load()  # raises KernelsUnavailable when forced on but unable to load
+    if forced:
+        raise KernelsUnavailable(f"{op}: the fused kernels were forced on, but its inputs are on {t.device}")
+    reason = f"inputs on {t.device}" if not t.is_cuda else build.unavailable_reason()
+    build.log_fallback(op, reason or "unknown")
+    return None
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_head_chunk(group_size: int) -> int:
+    """Query heads one decode block scores per key row (the kernel's GC): the group rounded up to 1/2/4/8."""
+    return 8 if group_size >= 5 else 4 if group_size >= 3 else group_size
+
+
+def decode_splits(num_blocks: int, max_kv_len: int, num_sms: int) -> tuple[int, int]:
+    """(num_splits, split_size) for paged decode: cut contexts so that about two blocks run per SM.
+
+    `num_blocks` is the grid without splitting (batch × kv heads × head chunks). Splits are at least
+    256 tokens and at most 64; split_size × num_splits covers max_kv_len.
+    """
+    if max_kv_len <= _DECODE_MIN_SPLIT:
+        return 1, max(max_kv_len, 1)
+    wanted = math.ceil(2 * num_sms / max(num_blocks, 1))
+    splits = max(1, min(wanted, max_kv_len // _DECODE_MIN_SPLIT, _DECODE_MAX_SPLITS))
+    size = math.ceil(max_kv_len / splits)
+    return math.ceil(max_kv_len / size), size
+
+
+def _longest(indptr: torch.Tensor) -> int:
+    """Longest segment of a prefix-sum array (reads it on the host: one synchronisation on CUDA)."""
+    return int((indptr[1:] - indptr[:-1]).max()) if indptr.numel() > 1 else 0
+
+
+def _int32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(torch.int32).contiguous()
+
+
+def _page_table(
+    op: str, kv_indices: torch.Tensor | None, req_to_token: torch.Tensor | None, rows: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if (kv_indices is None) == (req_to_token is None) or (req_to_token is None) != (rows is None):
+        raise ValueError(f"{op}: address the pool with kv_indices, or with req_to_token and rows (not both)")
+    return (kv_indices, None) if kv_indices is not None else (req_to_token, _int32(rows))
+
+
+def rotary_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (..., Hq, D) and k (..., Hk, D) in place; see `reference.rotary_emb_ref`. Returns (q, k)."""
+    ext = _kernels("rotary_emb", q)
+    if ext is None:
+        return reference.rotary_emb_ref(q, k, cos, sin, positions)
+    head_dim = q.shape[-1]
+    try:
+        q3, k3 = q.view(-1, q.shape[-2], head_dim), k.view(-1, k.shape[-2], head_dim)
+    except RuntimeError as err:
+        raise ValueError(
+            f"rotary_emb rotates in place, so q {tuple(q.shape)} and k {tuple(k.shape)} must be viewable as "
+            "(tokens, heads, head_dim) with a contiguous last dimension"
+        ) from err
+    if positions is not None:
+        positions = positions.reshape(-1).to(torch.int64).contiguous()
+    else:
+        cos, sin = cos.reshape(-1, head_dim), sin.reshape(-1, head_dim)
+    ext.rotary_emb(q3, k3, cos, sin, positions, _stream(q))
+    return q, k
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor | None = None,
+    *,
+    req_to_token: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    scale: float | None = None,
+    max_kv_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query per request, q (B, Hq, D), over its context in the pool; see `reference.paged_decode_ref`.
+
+    `max_kv_len` (the longest context) saves a device→host read; `num_splits` overrides the split-KV
+    heuristic (`decode_splits`). Returns out (B, Hq, D).
+    """
+    ext = _kernels("paged_decode", q)
+    if ext is None:
+        return reference.paged_decode_ref(
+            q,
+            k_pool,
+            v_pool,
+            kv_indptr,
+            kv_indices,
+            req_to_token=req_to_token,
+            rows=rows,
+            scale=scale,
+            out=out,
+        )
+    indices, rows32 = _page_table("paged_decode", kv_indices, req_to_token, rows)
+    q = q.contiguous()
+    batch, num_q_heads, head_dim = q.shape
+    max_kv_len = _longest(kv_indptr) if max_kv_len is None else max_kv_len
+    if num_splits is None:
+        group = num_q_heads // max(k_pool.shape[1], 1)
+        chunk = decode_head_chunk(group)
+        blocks = batch * k_pool.shape[1] * math.ceil(group / max(chunk, 1))
+        num_splits, split_size = decode_splits(blocks, max_kv_len, _num_sms(_device_index(q)))
+    else:
+        split_size = max(1, math.ceil(max_kv_len / num_splits))
+    out = torch.empty_like(q) if out is None else out
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    ext.paged_decode(
+        q, k_pool, v_pool, _int32(kv_indptr), indices, rows32, out,
+        num_splits, split_size, scale, _stream(q),
+    )  # fmt: skip
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor | None = None,
+    *,
+    req_to_token: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    max_q_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A ragged batch of queries q (T, Hq, D) over the pool; see `reference.paged_prefill_ref`.
+
+    `max_q_len` (the most queries of one request) saves a device→host read. Returns out (T, Hq, D).
+    """
+    ext = _kernels("paged_prefill", q)
+    if ext is None:
+        return reference.paged_prefill_ref(
+            q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,
+            req_to_token=req_to_token, rows=rows, causal=causal, scale=scale, out=out,
+        )  # fmt: skip
+    indices, rows32 = _page_table("paged_prefill", kv_indices, req_to_token, rows)
+    q = q.contiguous()
+    max_q_len = _longest(qo_indptr) if max_q_len is None else max_q_len
+    out = torch.empty_like(q) if out is None else out
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    ext.paged_prefill(
+        q, k_pool, v_pool, _int32(qo_indptr), _int32(kv_indptr), indices, rows32, out,
+        max_q_len, causal, scale, _stream(q),
+    )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    *,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """An engine step's causal attention: q (T, Hq, D) ragged by qo_indptr over kv_indices → (T, Hq, D).
+
+    Every request has at least one query; when each has exactly one (T == batch) the decode kernel runs,
+    otherwise the prefill kernel.
+    """
+    if q.shape[0] == qo_indptr.shape[0] - 1 and max_q_len in (None, 1):
+        return paged_decode(q, k_pool, v_pool, kv_indptr, kv_indices, max_kv_len=max_kv_len, scale=scale)
+    return paged_prefill(
+        q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, max_q_len=max_q_len, scale=scale
+    )
+
+
+def store_kv(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """k_pool[slots] = k and v_pool[slots] = v in one kernel; see `reference.store_kv_ref`."""
+    ext = _kernels("store_kv", k_pool)
+    if ext is None:
+        reference.store_kv_ref(k_pool, v_pool, slots, k, v)
+        return
+    ext.store_kv(k_pool, v_pool, slots.contiguous(), k, v, _stream(k_pool))

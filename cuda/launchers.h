@@ -1,0 +1,108 @@
+// Launchers of the fused kernels: raw device pointers, sizes and a CUDA stream; no PyTorch here.
+//
+// Every launcher returns a cudaError_t as an int (0 on success) after queueing its kernels on `stream`;
+// error_string() turns a nonzero code into text. Layouts, all row-major and contiguous unless noted:
+//   q, out         (tokens, num_q_heads, head_dim)
+//   k_pool, v_pool (num_slots, num_kv_heads, head_dim): one layer of the flat token pool
+//   kv_indptr      (batch + 1,) int32 prefix sums of each request's context length
+//   slots          either kv_indices, (kv_indptr[batch],) the slots of all contexts concatenated, or the
+//                  req_to_token table (rows, max_context) with `rows` (batch,) naming each request's row.
+// Query head h reads key/value head h / (num_q_heads / num_kv_heads) (grouped-query attention).
+#pragma once
+
+#include <cstdint>
+
+// The CUDA runtime's own definition, repeated so that a C++ file can call the launchers without the toolkit.
+struct CUstream_st;
+typedef struct CUstream_st* cudaStream_t;
+
+namespace astrai {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Text of a CUDA runtime error code returned by a launcher.
+const char* error_string(int code);
+
+// Where request b's context lives: slot of its j-th token = indices[base(b) + j], 0 <= j < kv_len(b), with
+// base(b) = rows[b] * row_stride (req_to_token) or kv_indptr[b] (kv_indices when rows is null).
+struct PageTable {
+  const int32_t* kv_indptr;
+  const void* indices;
+  bool indices_int64;
+  const int32_t* rows;
+  int64_t row_stride;
+};
+
+// In-place rotary embedding in the rotate-half layout: for i < D/2, with x1 = x[i], x2 = x[i + D/2],
+//   x[i]       = x1 * cos[i]       - x2 * sin[i]
+//   x[i + D/2] = x2 * cos[i + D/2] + x1 * sin[i + D/2]
+// q (tokens, num_q_heads, D) and k (tokens, num_k_heads, D) may be strided views (last dim contiguous).
+// cos/sin row of token t is positions[t] when positions is non-null, else t; arithmetic in float32.
+struct RotaryArgs {
+  void* q;
+  void* k;
+  const void* cos;
+  const void* sin;
+  const int64_t* positions;
+  int64_t num_tokens;
+  int num_q_heads, num_k_heads, head_dim;
+  int64_t q_stride_token, q_stride_head, k_stride_token, k_stride_head;
+  int64_t cos_stride, sin_stride;
+  DType dtype;        // of q and k
+  DType table_dtype;  // of cos and sin: the same as dtype, or float32
+};
+int rotary_emb(const RotaryArgs& a, cudaStream_t stream);
+
+// One query per request (q and out are (batch, num_q_heads, head_dim)) against its whole context.
+// Each request's context is cut into num_splits chunks of split_size tokens (num_splits * split_size must
+// cover the longest context); with more than one, partial results go to the float32 workspaces
+// partial_out (batch, num_q_heads, num_splits, head_dim) and partial_lse (batch, num_q_heads, num_splits)
+// and a second kernel merges them. head_dim 64, 128 or 256. A request with an empty context gets zeros.
+struct DecodeArgs {
+  const void* q;
+  void* out;
+  const void* k_pool;
+  const void* v_pool;
+  PageTable table;
+  float* partial_out;
+  float* partial_lse;
+  int batch, num_q_heads, num_kv_heads, head_dim;
+  int num_splits, split_size;
+  float scale;
+  DType dtype;
+};
+int paged_decode(const DecodeArgs& a, cudaStream_t stream);
+
+// A ragged batch: request b owns queries qo_indptr[b] .. qo_indptr[b+1]-1 of q and out, the last q_len(b)
+// positions of its kv_len(b)-token context. Causal: query i (0-based within the request) sees keys
+// 0 .. kv_len - q_len + i. max_q_len must be at least the longest q_len. head_dim 64, 128 or 256.
+// A query that sees no key gets zeros.
+struct PrefillArgs {
+  const void* q;
+  void* out;
+  const void* k_pool;
+  const void* v_pool;
+  const int32_t* qo_indptr;
+  PageTable table;
+  int batch, num_q_heads, num_kv_heads, head_dim, max_q_len;
+  bool causal;
+  float scale;
+  DType dtype;
+};
+int paged_prefill(const PrefillArgs& a, cudaStream_t stream);
+
+// k_pool[slots[t]] = k[t] and v_pool[slots[t]] = v[t] for every token t, in one kernel. A row is
+// row_bytes long (num_kv_heads * head_dim * element size, a multiple of 16); k and v rows are
+// k_stride / v_stride bytes apart. A slot outside [0, num_slots) stops the kernel with an error.
+struct StoreKVArgs {
+  void* k_pool;
+  void* v_pool;
+  const void* k;
+  const void* v;
+  const void* slots;
+  bool slots_int64;
+  int64_t num_tokens, num_slots, row_bytes, k_stride, v_stride;
+};
+int store_kv(const StoreKVArgs& a, cudaStream_t stream);
+
+}  // namespace astrai
