@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from ..tokenizer import Tokenizer
 from .corpus import corpus_version, embedded_documents, is_held_out
+from .sampling import StatefulLoader, data_parallel_rank, shuffled_batches
 
 FILE_LOADERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -149,10 +151,13 @@ class PretrainData(L.LightningDataModule):
         os.replace(tmp, target) if not target.exists() else None
         return splits["train"], splits["val"]
 
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.hparams.seed)
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, generator=g,
-                          collate_fn=collate_windows, num_workers=self.hparams.num_workers, drop_last=True)
+    def train_dataloader(self) -> StatefulLoader:
+        """Shuffled windows split over the data-parallel ranks; the position is saved in checkpoints."""
+        hp = self.hparams
+        rank, replicas = data_parallel_rank(self.trainer)
+        plan = functools.partial(shuffled_batches, len(self.train_set), hp.batch_size, seed=hp.seed, rank=rank,
+                                 world_size=replicas)
+        return StatefulLoader(self.train_set, plan, collate_windows, num_workers=hp.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, collate_fn=collate_windows,

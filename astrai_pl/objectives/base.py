@@ -13,11 +13,9 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torchmetrics import MeanMetric
 
+from ..callbacks.checkpoint import CheckpointError, is_sharded_checkpoint, read_checkpoint
 from ..model import ModelConfig, Transformer
-
-
-class CheckpointError(ValueError):
-    """A checkpoint named by init_from cannot be read."""
+from ..parallel import ActivationCheckpointing, check_activation_checkpointing, configure_model
 
 
 def as_config(arch: ModelConfig | dict | None) -> ModelConfig:
@@ -32,16 +30,12 @@ def load_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> 
     if init_from is None:
         return Transformer(as_config(arch))
     path = Path(init_from)
-    if path.is_dir():
+    if path.is_dir() and not is_sharded_checkpoint(path):
         return Transformer.from_pretrained(path)
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"init_from={init_from!r}: no such file or directory; "
                               "pass a Hugging Face model directory or a .ckpt written by astrai-pl fit")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - re-raised with the file named
-        raise CheckpointError(f"init_from={init_from!r}: not a readable checkpoint ({err.__class__.__name__}: "
-                              f"{err}); is the file complete?") from err
+    ckpt = read_checkpoint(path)  # verified, weights_only; a sharded FSDP2 folder is gathered here
     model = Transformer(as_config(ckpt.get("hyper_parameters", {}).get("arch")))
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model.load_state_dict(state)
@@ -76,8 +70,12 @@ class Objective(L.LightningModule, ABC):
         tokenizer: Any = None,
         optimizer: OptimizerCallable | None = None,
         scheduler: LRSchedulerCallable | None = None,
+        activation_checkpointing: ActivationCheckpointing = "none",
+        compile: bool = False,
     ):
         super().__init__()
+        check_activation_checkpointing(activation_checkpointing)
+        self.activation_checkpointing, self.compile_blocks = activation_checkpointing, compile
         self.model = load_transformer(arch, init_from)
         self.arch = self.model.config
         self.tokenizer = tokenizer
@@ -85,10 +83,13 @@ class Objective(L.LightningModule, ABC):
         self.val_loss = MeanMetric()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The model shape travels as a plain dict, so checkpoints load with weights_only=True.
-        hparams = checkpoint.get("hyper_parameters", {})
-        if isinstance(hparams.get("arch"), ModelConfig):
-            hparams["arch"] = hparams["arch"].to_dict()
+        # The model shape travels as a plain dict, so checkpoints load with weights_only=True; it is the
+        # shape of the model actually trained, also when it came from init_from (arch None).
+        checkpoint.setdefault("hyper_parameters", {})["arch"] = self.arch.to_dict()
+
+    def configure_model(self) -> None:
+        """Tensor parallel, activation checkpointing, compile and FSDP2, as configured (astrai_pl/parallel.py)."""
+        configure_model(self.model, self.trainer.strategy, self.activation_checkpointing, self.compile_blocks)
 
     # -- the steps: one shared body for train / val / test ----------------------------------------------
     @abstractmethod
@@ -148,15 +149,18 @@ class Objective(L.LightningModule, ABC):
         scheduler = self.scheduler_fn(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def accumulation_scale(self, batch: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
+    def accumulation_scale(
+        self, batch: dict[str, Any], tokens: torch.Tensor, key: str = "window_tokens"
+    ) -> torch.Tensor:
         """Normaliser that makes accumulated gradients the exact mean over the window's trained tokens.
 
         Lightning divides each micro-batch loss by `accumulate_grad_batches` (K). When the loader tags
         every micro-batch with `window_tokens` (trained tokens in its whole accumulation window, the
         short last window included), dividing the summed loss by window_tokens / K cancels that
-        division: Σ_micro (sum_nll / window_tokens) is the token mean over the window.
+        division: Σ_micro (sum_nll / window_tokens) is the token mean over the window. Another count
+        works the same way under its own `key` (DPO: pairs, `window_pairs`).
         """
-        window = batch.get("window_tokens") if self.training else None
+        window = batch.get(key) if self.training else None
         if window is None:
             return tokens.clamp(min=1)
         k = self.trainer.accumulate_grad_batches if self._trainer is not None else 1

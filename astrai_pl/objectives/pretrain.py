@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from ..model import ModelConfig
+from ..parallel import ActivationCheckpointing
 from .base import Objective
 from .losses import cross_entropy, next_token_labels
 
@@ -23,6 +24,8 @@ class Pretrain(Objective):
         optimizer: OptimizerCallable | None = None,
         scheduler: LRSchedulerCallable | None = None,
         label_smoothing: float = 0.0,
+        activation_checkpointing: ActivationCheckpointing = "none",
+        compile: bool = False,
     ):
         """
         Args:
@@ -33,10 +36,14 @@ class Pretrain(Objective):
                 its weight decay applies to matrices and embeddings, never to norms and biases.
             scheduler: Learning-rate schedule stepped per optimizer step (e.g. WarmupCosine).
             label_smoothing: ε of the smoothed cross-entropy (0 = plain cross-entropy).
+            activation_checkpointing: Recompute activations in the backward pass instead of keeping them:
+                "none", "full" (each whole block) or "selective" (keep matmul and attention outputs,
+                recompute the pointwise ops between them). Less memory for more compute.
+            compile: torch.compile each block (the first steps are slower while it compiles).
         """
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"Pretrain.label_smoothing={label_smoothing}: must lie in [0, 1)")
-        super().__init__(arch, init_from, tokenizer, optimizer, scheduler)
+        super().__init__(arch, init_from, tokenizer, optimizer, scheduler, activation_checkpointing, compile)
         self.label_smoothing = label_smoothing
         self.save_hyperparameters(ignore=["tokenizer", "optimizer", "scheduler"])
 

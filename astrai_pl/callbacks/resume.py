@@ -1,0 +1,115 @@
+"""What makes an interrupted run resumable exactly: a clean stop on SIGTERM / SIGINT, and RNG states
+in every checkpoint.
+
+`StopOnSignal` replaces Lightning's SIGTERM handling during fit: Lightning would stop after the current
+micro-batch, possibly in the middle of a gradient-accumulation window, and save nothing. Here the signal
+only sets a flag; at the next optimizer-step boundary every rank agrees to stop, `last.ckpt` is written in
+the ModelCheckpoint folder and the trainer stops, so `--ckpt_path last` continues from that step.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+
+
+def last_checkpoint_path(trainer: L.Trainer) -> Path:
+    """Where `--ckpt_path last` looks: `last.ckpt` in the ModelCheckpoint folder (or default_root_dir/checkpoints)."""
+    callback = trainer.checkpoint_callback
+    if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+        return Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+    return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+
+
+class StopOnSignal(L.Callback):
+    """On SIGTERM or SIGINT: finish the optimizer step in progress, save last.ckpt, stop training.
+
+    A second SIGINT interrupts at once (KeyboardInterrupt), without saving.
+
+    Args:
+        signals: Names of the signals that ask for a clean stop.
+    """
+
+    def __init__(self, signals: tuple[str, ...] = ("SIGTERM", "SIGINT")):
+        unknown = [name for name in signals if not hasattr(signal, name)]
+        if unknown:
+            raise ValueError(
+                f"StopOnSignal.signals: {unknown} are not signals on this platform; use e.g. SIGTERM"
+            )
+        self.signals = tuple(signals)
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+        self._step_seen = -1
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.received == "SIGINT" and name == "SIGINT":
+            raise KeyboardInterrupt
+        self.received = name
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.received, self._step_seen = None, trainer.global_step
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be installed from the main thread
+        for name in self.signals:
+            number = getattr(signal, name)
+            self._previous[number] = signal.signal(number, self._handle)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self._step_seen:
+            return  # inside an accumulation window: not a step boundary
+        self._step_seen = trainer.global_step
+        stop = trainer.strategy.reduce_boolean_decision(self.received is not None, all=False)
+        if not stop:
+            return
+        path = last_checkpoint_path(trainer)
+        trainer.save_checkpoint(path)
+        trainer.should_stop = True
+        rank_zero_info(
+            f"{self.received or 'a signal on another rank'}: stopped after step {trainer.global_step}; "
+            f"saved {path}. Continue with --ckpt_path last (or --ckpt_path {path})."
+        )
+
+    def _restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._restore()
+
+
+class RNGState(L.Callback):
+    """Saves Python's, NumPy's and torch's random states (CPU and CUDA) in every checkpoint and restores
+    them on resume, so sampling, dropout and anything else drawing random numbers continues its sequence.
+    The states of global rank 0 are saved; on resume every rank takes them, as after seed_everything."""
+
+    def state_dict(self) -> dict[str, Any]:
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+        state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        name, keys, pos, has_gauss, gauss = state["numpy"]  # plain types: checkpoints load with weights_only
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])

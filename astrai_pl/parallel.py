@@ -1,0 +1,221 @@
+"""How the Transformer is laid out for training, applied in `Objective.configure_model` in this order:
+
+1. tensor parallelism (DTensor) over the mesh's `tensor_parallel` dimension, when it has more than one device;
+2. activation checkpointing per block: `none`, `full` (recompute the whole block) or `selective`
+   (keep the matmul and attention outputs, recompute the pointwise ops between them);
+3. `torch.compile` per block;
+4. FSDP2: `fully_shard` on every block, then on the root, over the `data_parallel` dimension.
+
+Steps 1 and 4 need a device mesh, which `FSDP2Strategy` (astrai_pl/strategy.py, `strategy: fsdp2`) builds;
+steps 2 and 3 work under any strategy. Every step keeps parameter names, so checkpoints and Hugging Face
+exports do not depend on the layout they were trained with.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
+
+from .model import Transformer
+from .model.layers import RMSNorm
+from .strategy import DTYPES, ParallelConfigError  # importing it registers `strategy: fsdp2`
+
+ActivationCheckpointing = Literal["none", "full", "selective"]
+AC_MODES = ("none", "full", "selective")
+
+
+# -- activation checkpointing -----------------------------------------------------------------------------
+def _aten_ops(*names: str) -> frozenset:
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+# Outputs kept by `selective`: the matmuls and fused attention kernels (costly to redo); the pointwise ops
+# between them (norms, RoPE, SiLU, products, residual adds) are recomputed in the backward pass.
+SAVED_OPS = _aten_ops(
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _context_fn(mode: str):
+    if mode == "selective":
+        return functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    return noop_context_fn
+
+
+@functools.cache
+def _checkpointed_class(cls: type[nn.Module], mode: str) -> type[nn.Module]:
+    """A subclass of `cls` whose forward runs under torch.utils.checkpoint (non-reentrant)."""
+    context_fn = _context_fn(mode)
+
+    def forward(self, *args, **kwargs):
+        inner = super(checkpointed, self).forward
+        if not torch.is_grad_enabled():  # evaluation and generation: nothing to save
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    checkpointed = type(
+        f"{cls.__name__}", (cls,), {"forward": forward, "checkpointing": mode, "__module__": cls.__module__}
+    )
+    return checkpointed
+
+
+def check_activation_checkpointing(mode: str) -> None:
+    if mode not in AC_MODES:
+        raise ParallelConfigError(f"activation_checkpointing={mode!r}: use one of {', '.join(AC_MODES)}")
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    """Checkpoint every block in place. The block's class is swapped for a checkpointing subclass, so
+    parameter names and deep copies stay as they were."""
+    check_activation_checkpointing(mode)
+    for block in model.layers:
+        current = getattr(block, "checkpointing", "none")
+        if current == mode:
+            continue
+        if current != "none":
+            raise ParallelConfigError(
+                f"activation_checkpointing={mode!r}: the blocks already use {current!r}; "
+                "build a fresh model to change the mode"
+            )
+        if mode != "none":
+            block.__class__ = _checkpointed_class(type(block), mode)
+
+
+def compile_blocks(model: Transformer, **options: Any) -> None:
+    """torch.compile each block in place (`nn.Module.compile`: names and state dict unchanged)."""
+    for block in model.layers:
+        if getattr(block, "_compiled_call_impl", None) is None:
+            block.compile(**options)
+
+
+# -- tensor parallelism -----------------------------------------------------------------------------------
+def _block_plan() -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    return {
+        "self_attn.q_proj": col,
+        "self_attn.k_proj": col,
+        "self_attn.v_proj": col,
+        "self_attn.o_proj": row,
+        "mlp.gate_proj": col,
+        "mlp.up_proj": col,
+        "mlp.down_proj": row,
+    }
+
+
+def check_tensor_parallel(cfg, tp: int) -> None:
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(cfg, name) % tp:
+            raise ParallelConfigError(
+                f"tensor_parallel_size={tp} does not divide ModelConfig.{name}="
+                f"{getattr(cfg, name)}; pick a size that divides the heads and the MLP width"
+            )
+    if cfg.num_experts:
+        raise ParallelConfigError(
+            f"tensor_parallel_size={tp}: MoE models (num_experts={cfg.num_experts}) have no "
+            "tensor-parallel plan here; use tensor_parallel_size=1 (FSDP2 alone)"
+        )
+
+
+def _replicated_input(layout):
+    """input_fn for distribute_module: wrap plain tensors as DTensors with the given placement."""
+    from torch.distributed.tensor import DTensor
+
+    def wrap(module, inputs, mesh):
+        return tuple(
+            DTensor.from_local(t, mesh, layout, run_check=False)
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+            else t
+            for t in inputs
+        )
+
+    return wrap
+
+
+def _local_output(module, output, mesh):
+    return output.to_local() if hasattr(output, "to_local") else output
+
+
+def apply_tensor_parallel(model: Transformer, mesh) -> None:
+    """Megatron-style plan: q/k/v and gate/up column-wise, o_proj and down_proj row-wise (one all-reduce
+    after attention and one after the MLP). Every other parameter becomes a DTensor replicated over the
+    mesh, so all parameters share one mesh and gradient clipping sees one norm."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = mesh.size()
+    check_tensor_parallel(model.config, tp)
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    for block in model.layers:
+        parallelize_module(block, mesh, _block_plan())
+        block.self_attn.n_heads //= tp
+        block.self_attn.n_kv_heads //= tp
+    for name, module in model.named_modules():
+        head_norm = name.endswith(("q_norm", "k_norm"))  # acts on this rank's heads: (B, T, H/tp, D)
+        if isinstance(module, (RMSNorm, nn.Embedding)) or name == "lm_head":
+            layout = [Shard(2)] if head_norm else [Replicate()]
+            distribute_module(module, mesh, input_fn=_replicated_input(layout), output_fn=_local_output)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+# -- FSDP2 -----------------------------------------------------------------------------------------------
+def apply_fsdp2(
+    model: Transformer,
+    mesh,
+    param_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    reshard_after_forward: bool = True,
+) -> None:
+    """fully_shard every block, then the root (embeddings, final norm, lm_head)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if isinstance(model, FSDPModule):
+        return
+    policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[param_dtype] if param_dtype else None,
+        reduce_dtype=DTYPES[reduce_dtype] if reduce_dtype else None,
+    )
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def configure_model(
+    model: Transformer, strategy: Any, activation_checkpointing: str = "none", compile: bool = False
+) -> None:
+    """Apply the layout above. Idempotent: Lightning may call it again for validate/test after fit."""
+    mesh = strategy.device_mesh if isinstance(strategy, ModelParallelStrategy) else None
+    if mesh is not None and mesh["tensor_parallel"].size() > 1 and not _has_dtensors(model):
+        apply_tensor_parallel(model, mesh["tensor_parallel"])
+    apply_activation_checkpointing(model, activation_checkpointing)
+    if compile:
+        compile_blocks(model)
+    if mesh is not None:
+        options = getattr(strategy, "fsdp_options", {})
+        apply_fsdp2(model, mesh["data_parallel"], **options)
+
+
+def _has_dtensors(model: nn.Module) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())

@@ -1,0 +1,157 @@
+"""`FSDP2Strategy`, registered as `strategy: fsdp2`: Lightning's ModelParallelStrategy (FSDP2 and tensor
+parallel over a device mesh) with data parallelism over every process by default, and checkpoints that
+are written atomically and fail clearly. The model itself is laid out by astrai_pl/parallel.py in
+`Objective.configure_model`."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from torch.distributed.constants import default_pg_timeout
+
+from .callbacks.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    describe_unreadable,
+    replace_path,
+    verify_archive,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ParallelConfigError(ValueError):
+    """A parallelism setting does not fit the model or the devices."""
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (FSDP2 + tensor parallel over a device mesh) with defaults for
+    data parallelism and atomic, clearly failing checkpoints. `strategy: fsdp2` in YAML.
+
+    Args:
+        data_parallel_size: Processes that shard the model between them; "auto" = world size / tensor_parallel_size.
+        tensor_parallel_size: Processes that split each matmul (1 = FSDP2 only); must divide the process
+            count, the attention heads, the key/value heads and the MLP width.
+        param_dtype: Dtype the sharded float32 parameters are gathered in for compute ("bfloat16" for FSDP2
+            mixed precision); None keeps them as stored (combine with precision: bf16-mixed for autocast).
+        reduce_dtype: Dtype of the gradient reduce-scatter; None = param_dtype.
+        reshard_after_forward: Free gathered parameters after each block's forward (less memory, one
+            more all-gather in backward).
+        save_distributed_checkpoint: True: each rank writes its shard into a checkpoint directory;
+            False: rank 0 gathers and writes one file that loads anywhere.
+        process_group_backend: "nccl", "gloo", …; None picks the device's default (gloo on CPU).
+        timeout: How long a collective may wait for the other processes before failing.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int = 1,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ):
+        for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if value is not None and value not in DTYPES:
+                raise ParallelConfigError(
+                    f"FSDP2Strategy.{name}={value!r}: use one of {', '.join(DTYPES)} or None"
+                )
+        if tensor_parallel_size < 1:
+            raise ParallelConfigError(
+                f"FSDP2Strategy.tensor_parallel_size={tensor_parallel_size}: must be >= 1"
+            )
+        super().__init__(
+            data_parallel_size,
+            tensor_parallel_size,
+            save_distributed_checkpoint,
+            process_group_backend,
+            timeout,
+        )
+        self.fsdp_options = {
+            "param_dtype": param_dtype,
+            "reduce_dtype": reduce_dtype,
+            "reshard_after_forward": reshard_after_forward,
+        }
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """AtomicCheckpointIO unless `trainer.plugins` names another (used for full-file checkpoints)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
+    def setup_environment(self) -> None:
+        world = self.num_nodes * self.num_processes
+        if self._data_parallel_size == "auto":
+            if world % self._tensor_parallel_size:
+                raise ParallelConfigError(
+                    f"FSDP2Strategy.tensor_parallel_size={self._tensor_parallel_size} does "
+                    f"not divide the {world} processes; use a divisor of the device count"
+                )
+            self._data_parallel_size = world // self._tensor_parallel_size
+        super().setup_environment()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        """Sharded: every rank writes into the hidden folder `.NAME.partial`, which is renamed to `filepath`
+        once complete (a folder already there is moved aside first and deleted after), so a save cut off
+        while writing leaves the previous checkpoint as it was. Full: one atomic file written by rank 0."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        target = Path(self.broadcast(str(filepath)))
+        partial = target.with_name(f".{target.name}.partial")
+        if self.global_rank == 0 and partial.exists():
+            shutil.rmtree(partial)
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            replace_path(partial, target)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir() and not _is_sharded_checkpoint(path):
+            raise CheckpointError(
+                f"{path}: incomplete sharded checkpoint (meta.pt or .metadata is missing); "
+                "resume from an earlier checkpoint in the same folder"
+            )
+        if path.is_file():
+            verify_archive(path)
+        try:
+            return super().load_checkpoint(path, weights_only=True if weights_only is None else weights_only)
+        except (RuntimeError, ValueError, OSError, EOFError) as err:
+            if isinstance(err, CheckpointError) or not _looks_unreadable(err):
+                raise
+            raise CheckpointError(describe_unreadable(path, err)) from err
+
+
+def _looks_unreadable(err: BaseException) -> bool:
+    """A read error (torch.load / distributed checkpoint), as opposed to a shape or key mismatch."""
+    text = f"{type(err).__name__}: {err}"
+    return not any(word in text for word in ("size mismatch", "Missing key", "Unexpected key"))
+
+
+def register_strategies() -> None:
+    if "fsdp2" not in StrategyRegistry:
+        StrategyRegistry.register(
+            "fsdp2",
+            FSDP2Strategy,
+            description="FSDP2 per block + root; tensor parallel when tensor_parallel_size > 1",
+        )
+
+
+register_strategies()

@@ -1,0 +1,77 @@
+import json
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from astrai_pl.callbacks import JSONLLogger, NonFiniteGuard, NonFiniteLossError
+from astrai_pl.callbacks.metrics import read_jsonl
+from astrai_pl.model import ModelConfig
+from astrai_pl.objectives import Pretrain
+
+
+def _batches(n=8):
+    torch.manual_seed(1)
+    return torch.utils.data.DataLoader(
+        [{"input_ids": x, "labels": x} for x in torch.randint(3, 320, (n, 2, 16))], batch_size=None
+    )
+
+
+def _trainer(tmp_path, **kw):
+    return L.Trainer(
+        accelerator="cpu",
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kw,
+    )
+
+
+def test_one_json_line_per_logged_step_with_validation_merged(tmp_path):
+    logger = JSONLLogger(save_dir=str(tmp_path))
+    trainer = _trainer(
+        tmp_path,
+        max_steps=4,
+        log_every_n_steps=1,
+        val_check_interval=2,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=logger,
+    )
+    trainer.fit(
+        Pretrain(arch=ModelConfig.from_name("debug")),
+        train_dataloaders=_batches(),
+        val_dataloaders=_batches(2),
+    )
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert all(isinstance(row["train/loss"], float) for row in rows)
+    assert "val/loss" in rows[1] and "val/loss" in rows[3]  # validation at step 1 shares step 1's line
+    assert json.loads((tmp_path / "hparams.json").read_text())["arch"]["hidden_size"] == 64
+    assert read_jsonl(tmp_path / "metrics.jsonl")[3]["train/loss"] == rows[3]["train/loss"]
+
+
+class BreaksAtStep(Pretrain):
+    def __init__(self, bad_step: int, **kw):
+        super().__init__(**kw)
+        self.bad_step = bad_step
+
+    def _shared_step(self, batch, stage):
+        loss, metrics = super()._shared_step(batch, stage)
+        if self.trainer.global_step == self.bad_step:
+            metrics["nll"] = metrics["nll"] * math.nan
+            loss = loss * math.nan
+        return loss, metrics
+
+
+def test_a_nan_loss_stops_the_run_naming_the_term_and_the_step(tmp_path):
+    module = BreaksAtStep(2, arch=ModelConfig.from_name("debug"))
+    trainer = _trainer(tmp_path, max_steps=5, logger=False, callbacks=[NonFiniteGuard()])
+    with pytest.raises(
+        NonFiniteLossError, match=r"optimizer step 2.*train/nll = nan.*lower the learning rate"
+    ):
+        trainer.fit(module, train_dataloaders=_batches())
+    assert all(torch.isfinite(p).all() for p in module.parameters())  # nothing stepped with the NaN
+    assert trainer.global_step == 2
