@@ -1,0 +1,266 @@
+"""Attention over the KV pool: the per-step view the model calls, three backends, and how one is chosen.
+
+The model's attention layers call `view.attend(layer, q, k, v)` once per layer. The view writes the new
+K/V at this step's slots and hands q to the backend chosen for the step:
+
+- `cuda`: the fused paged-attention kernels of `astrai_pl.ops`, when they build for this device;
+- `flash`: flash-attn's varlen kernel over K/V gathered through req_to_token (CUDA, fp16/bf16);
+- `torch`: gather through req_to_token, then `scaled_dot_product_attention`; always available.
+
+Priority is cuda > flash > torch. `ASTRAI_BACKEND=cuda|flash|torch` or `with attn_backend("torch"):`
+override it; the context manager wins over the environment, nests, and is per thread and per task
+(contextvars). Forcing a backend that cannot run here raises `BackendUnavailable`.
+
+All tensors are (tokens, heads, head_dim) inside the view; a step's tokens are the requests' new tokens
+concatenated, decodes (one token each) first. Scale is 1/sqrt(head_dim), as in the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .cache import InferenceError, KVStorage
+from .torch_backend import TorchBackend
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("cuda", "flash", "torch")  # in priority order
+FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
+
+
+class BackendUnavailable(InferenceError):
+    """An attention backend was forced but cannot run on this device, dtype or installation."""
+
+
+@dataclass
+class StepView:
+    """One forward step's view of the pool, built once and shared by every layer (the model's `cache=`)."""
+
+    storage: KVStorage
+    req_to_token: torch.Tensor  # (rows, max_context) int32
+    backend: AttentionBackend
+    rows: torch.Tensor  # (B,) request rows in req_to_token
+    prefix_lens: list[int]  # K/V already in the pool, per request
+    extend_lens: list[int]  # new tokens this step, per request
+    out_slots: torch.Tensor  # (T,) int64 slot of every new token, requests concatenated
+    qo_indptr: torch.Tensor  # (B+1,) prefix sums of extend_lens
+    kv_indptr: torch.Tensor  # (B+1,) prefix sums of prefix_lens + extend_lens
+    num_decode: int  # the first num_decode requests add exactly one token
+    page_size: int = 1  # slots p·page_size … (p+1)·page_size-1 form page p
+    keys: tuple[str, ...] = ()  # request ids, in step order: lets a backend recognise requests across steps
+    step: int = 0  # the engine's step counter
+    scratch: dict | None = None  # the engine's, for backend state kept between steps
+    meta: Any = None  # the backend's per-step metadata, made by the first layer, reused by the rest
+
+    @classmethod
+    def build(
+        cls,
+        storage: KVStorage,
+        req_to_token: torch.Tensor,
+        backend: AttentionBackend,
+        rows: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        out_slots: list[int],
+        page_size: int = 1,
+        **extra: Any,
+    ) -> StepView:
+        device = storage.k.device
+        num_decode = 0
+        while num_decode < len(extend_lens) and extend_lens[num_decode] == 1:
+            num_decode += 1
+        kv_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        return cls(
+            storage,
+            req_to_token,
+            backend,
+            rows=torch.tensor(rows, device=device),
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            out_slots=torch.tensor(out_slots, dtype=torch.int64, device=device),
+            qo_indptr=_indptr(extend_lens, device),
+            kv_indptr=_indptr(kv_lens, device),
+            num_decode=num_decode,
+            page_size=page_size,
+            **extra,
+        )
+
+    @property
+    def kv_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v (B, T, Hkv, D) at this step's slots; attend q (B, T, Hq, D) over each request's context."""
+        B, T, Hq, D = q.shape
+        k, v = k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
+        self.storage.write(layer_idx, self.out_slots, k, v)
+        if self.meta is None:
+            self.meta = self.backend.prepare(self, Hq)
+        return self.backend.attend(self, layer_idx, q.reshape(B * T, Hq, D), k, v).view(B, T, Hq, D)
+
+
+def _indptr(lengths: list[int], device: torch.device) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """None when the backend can run here, else why not (shown to the user)."""
+
+    def prepare(self, view: StepView, num_q_heads: int) -> Any:
+        """Per-step metadata shared by every layer."""
+
+    def attend(
+        self, view: StepView, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q (T, Hq, D) → (T, Hq, D) over K/V already in the pool; k, v (T, Hkv, D) are this step's."""
+
+
+# -- flash-attn: ragged K/V gathered through kv_indptr -------------------------------------------
+@dataclass
+class _Ragged:
+    kv_indices: torch.Tensor  # (sum of kv lens,) slots, requests concatenated
+    max_q: int
+    max_kv: int
+
+
+def _ragged(view: StepView) -> _Ragged:
+    kv_lens = view.kv_lens
+    width = max(kv_lens)
+    table = view.req_to_token[view.rows, :width]
+    lens = torch.tensor(kv_lens, device=table.device)
+    valid = torch.arange(width, device=table.device)[None] < lens[:, None]
+    return _Ragged(table[valid].to(torch.int64), max(view.extend_lens), width)
+
+
+class FlashBackend:
+    name = "flash"
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cuda":
+            return f"flash-attn runs on CUDA only, the engine is on {device.type}"
+        if not FLASH_ATTN_AVAILABLE:
+            return "the flash_attn package is not installed (pip install 'astrai_pl[flash]')"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"flash-attn needs float16 or bfloat16, the engine runs {dtype}"
+        return None
+
+    def prepare(self, view: StepView, num_q_heads: int) -> _Ragged:
+        return _ragged(view)
+
+    def attend(self, view: StepView, layer_idx: int, q: torch.Tensor, k_new, v_new) -> torch.Tensor:
+        from flash_attn import flash_attn_varlen_func
+
+        meta: _Ragged = view.meta
+        k = view.storage.k[layer_idx][meta.kv_indices]
+        v = view.storage.v[layer_idx][meta.kv_indices]
+        # causal with more keys than queries aligns the queries with the last keys (flash-attn >= 2.1)
+        return flash_attn_varlen_func(
+            q, k, v, view.qo_indptr, view.kv_indptr, meta.max_q, meta.max_kv, causal=True
+        )
+
+
+class CudaBackend:
+    """The fused kernels of `astrai_pl.ops`: paged decode / ragged prefill reading slots from req_to_token.
+
+    The request table is the page table (a token slot is a one-token page), so nothing is gathered:
+    a decode-only step runs `paged_decode`, any other step `paged_prefill` over qo_indptr / kv_indptr.
+    """
+
+    name = "cuda"
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cuda":
+            return f"the fused kernels run on CUDA only, the engine is on {device.type}"
+        try:
+            ops = importlib.import_module("astrai_pl.ops")
+        except ImportError as err:
+            return f"astrai_pl.ops cannot be imported ({err})"
+        why = ops.unavailable_reason()
+        return None if why is None else f"the fused kernels cannot run ({why})"
+
+    def prepare(self, view: StepView, num_q_heads: int) -> tuple[int, int]:
+        return max(view.extend_lens), max(view.kv_lens)
+
+    def attend(self, view: StepView, layer_idx: int, q: torch.Tensor, k_new, v_new) -> torch.Tensor:
+        ops = importlib.import_module("astrai_pl.ops")
+        max_q, max_kv = view.meta
+        k_pool, v_pool = view.storage.k[layer_idx], view.storage.v[layer_idx]
+        table = dict(req_to_token=view.req_to_token, rows=view.rows)
+        if max_q == 1:
+            return ops.paged_decode(q, k_pool, v_pool, view.kv_indptr, max_kv_len=max_kv, **table)
+        return ops.paged_prefill(q, k_pool, v_pool, view.qo_indptr, view.kv_indptr, max_q_len=max_q, **table)
+
+
+# -- selection ------------------------------------------------------------------------------------------------
+BACKENDS: dict[str, AttentionBackend] = {
+    "cuda": CudaBackend(),
+    "flash": FlashBackend(),
+    "torch": TorchBackend(),
+}
+_forced: ContextVar[str | None] = ContextVar("astrai_attn_backend", default=None)
+_logged: set[tuple[str, str]] = set()
+
+
+def _checked(name: str, source: str) -> str:
+    key = name.strip().lower()
+    if key not in BACKENDS:
+        raise ValueError(
+            f"{source}={name!r} is not an attention backend; use one of {', '.join(BACKEND_NAMES)}"
+        )
+    return key
+
+
+@contextlib.contextmanager
+def attn_backend(name: str) -> Iterator[None]:
+    """Use attention backend `name` ("cuda", "flash" or "torch") inside the block; nested blocks restore."""
+    token = _forced.set(_checked(name, "attn_backend"))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
+    return [n for n in BACKEND_NAMES if BACKENDS[n].unavailable_reason(torch.device(device), dtype) is None]
+
+
+def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The forced backend (attn_backend() first, then ASTRAI_BACKEND) or the best available one."""
+    device = torch.device(device)
+    name, source = _forced.get(), "attn_backend"
+    if name is None and os.environ.get("ASTRAI_BACKEND"):
+        name, source = _checked(os.environ["ASTRAI_BACKEND"], "ASTRAI_BACKEND"), "ASTRAI_BACKEND"
+    if name is not None:
+        why = BACKENDS[name].unavailable_reason(device, dtype)
+        if why is not None:
+            raise BackendUnavailable(
+                f"attention backend {name!r} was forced by {source} but cannot run: {why}; "
+                f"use one of {', '.join(available_backends(device, dtype))} or drop the override"
+            )
+        return BACKENDS[name]
+    skipped = []
+    for candidate in BACKEND_NAMES:
+        why = BACKENDS[candidate].unavailable_reason(device, dtype)
+        if why is None:
+            if skipped and device.type == "cuda" and (candidate, device.type) not in _logged:
+                _logged.add((candidate, device.type))
+                log.info("attention backend %s (%s)", candidate, "; ".join(skipped))
+            return BACKENDS[candidate]
+        skipped.append(f"{candidate}: {why}")
+    raise AssertionError("the torch backend is always available")

@@ -1,0 +1,152 @@
+"""KVPool: the KV storage, the request table, the page allocator and the radix cache behind one face.
+
+Everything that holds K/V holds a list of pages covering its positions 0, 1, …: page i holds positions
+[i·page_size, (i+1)·page_size). The pool never remembers who holds what; holders pass their page
+lists back (`release`, `check`). Two layouts:
+
+- paged (page_size ≥ 1): pages are taken from the free list on demand, the radix cache shares full pages;
+- contiguous: one page per request spanning the whole context, so req_to_token is a linear map
+  (slot = base + position) and nothing is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KVStorage, PageAllocator, ReqToTokenPool
+from .radix import RadixCache
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """Pages by state; free + evictable + in_use == total always holds."""
+
+    free: int
+    evictable: int
+    in_use: int
+    total: int
+    page_size: int
+
+    @property
+    def free_tokens(self) -> int:
+        return self.free * self.page_size
+
+
+class KVPool:
+    def __init__(self, storage: KVStorage, req_to_token: ReqToTokenPool, page_size: int, prefix_cache: bool):
+        self.storage, self.req_to_token, self.page_size = storage, req_to_token, page_size
+        self.allocator = PageAllocator(storage.num_slots // page_size, page_size)
+        self.radix = RadixCache(self.allocator) if prefix_cache else None
+        self.evicted_pages = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def slots(self, pages: list[int], start: int, stop: int) -> list[int]:
+        """Slots of positions [start, stop) for a holder with `pages`."""
+        ps = self.page_size
+        return [pages[p // ps] * ps + p % ps for p in range(start, stop)]
+
+    # -- pages ----------------------------------------------------------------------------------------------
+    def available(self) -> int:
+        """Pages that an allocation could get now: free ones plus evictable cached ones."""
+        return self.allocator.num_free + self.allocator.num_evictable
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n pages, evicting cached prefixes (LRU) when the free list is short; None if that is not enough."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.radix is not None:
+            self.evicted_pages += self.radix.evict(short)
+        return self.allocator.allocate(n)
+
+    def release(self, pages: list[int]) -> None:
+        self.allocator.decref(pages)
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], int]:
+        """Cached pages of the longest page-aligned prefix of `tokens`, referenced for the caller."""
+        if self.radix is None:
+            return [], 0
+        pages, matched = self.radix.match(tokens)
+        self.allocator.incref(pages)
+        return pages, matched
+
+    def cache_prefix(self, tokens: list[int], pages: list[int], num_computed: int) -> list[int]:
+        """Insert the full pages of tokens[:num_computed]; returns `pages` with duplicates replaced.
+
+        A page the cache already held for the same prefix replaces the caller's copy, which is released.
+        """
+        full = num_computed // self.page_size
+        if self.radix is None or full == 0:
+            return pages
+        cached = self.radix.insert(tokens[: full * self.page_size], pages[:full])
+        dupes = [mine for mine, theirs in zip(pages[:full], cached) if mine != theirs]
+        if dupes:
+            self.allocator.incref([theirs for mine, theirs in zip(pages[:full], cached) if mine != theirs])
+            self.allocator.decref(dupes)
+        return cached + pages[full:]
+
+    def fork(self, pages: list[int], num_computed: int) -> list[int] | None:
+        """A copy of a holder's pages: full pages shared, the partial page (if any) copied. None if no room."""
+        full = num_computed // self.page_size
+        tail = num_computed - full * self.page_size
+        copy: list[int] = []
+        if tail:
+            copy = self.allocate(1)
+            if copy is None:
+                return None
+            offsets = torch.arange(tail, device=self.storage.k.device)
+            self.storage.copy(offsets + pages[full] * self.page_size, offsets + copy[0] * self.page_size)
+        self.allocator.incref(pages[:full])
+        return pages[:full] + copy
+
+    # -- accounting -----------------------------------------------------------------------------------------
+    def usage(self) -> PoolUsage:
+        a = self.allocator
+        return PoolUsage(a.num_free, a.num_evictable, a.num_in_use, a.num_pages, self.page_size)
+
+    def check(self, holders: Iterable[list[int]], writable: Iterable[int] = ()) -> PoolUsage:
+        """Recount every reference from scratch and compare with the allocator's books.
+
+        holders: the page lists of every request, session and fork alive now. writable: pages about
+        to receive K/V writes, each of which must have exactly one holder (copy-on-write).
+        """
+        a = self.allocator
+        expected = [0] * a.num_pages
+        for pages in holders:
+            for p in pages:
+                expected[p] += 1
+        in_tree = [False] * a.num_pages
+        for node in self.radix.nodes() if self.radix is not None else ():
+            assert len({a.refs[p] for p in node.pages}) <= 1, (
+                f"a radix node is only partly held: {node.pages}"
+            )
+            for p in node.pages:
+                assert not in_tree[p], f"page {p} appears twice in the radix cache"
+                in_tree[p] = True
+                expected[p] += 1
+        assert in_tree == a.cached, "radix membership flags disagree with the tree"
+        bad = [p for p in range(a.num_pages) if expected[p] != a.refs[p]]
+        assert not bad, (
+            f"reference counts disagree on pages {bad[:8]}: counted {[expected[p] for p in bad[:8]]}"
+        )
+        free = a.free_pages()
+        assert len(set(free)) == len(free), "a page is on the free list twice"
+        assert set(free) == {p for p in range(a.num_pages) if a.refs[p] == 0}, (
+            "free list != unreferenced pages"
+        )
+        evictable = sum(1 for p in range(a.num_pages) if a.cached[p] and a.refs[p] == 1)
+        assert evictable == a.num_evictable, f"evictable count {a.num_evictable} != {evictable}"
+        in_use = sum(1 for p in range(a.num_pages) if a.refs[p] > 0 and not (a.cached[p] and a.refs[p] == 1))
+        assert len(free) + evictable + in_use == a.num_pages, "free + evictable + in use != total"
+        usage = self.usage()
+        assert usage.in_use == in_use
+        shared = [p for p in writable if a.refs[p] != 1]
+        assert not shared, f"pages {shared} receive K/V writes but are shared (copy-on-write broken)"
+        return usage

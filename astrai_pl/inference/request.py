@@ -1,0 +1,121 @@
+"""A request's state inside the engine, and what callers get back: deltas while it runs, a completion at the end.
+
+A request is a token list plus how much of it has K/V in the pool (`num_computed`). Prefill and decode
+are the same operation — compute tokens[num_computed:] — differing only in length: a prompt is computed
+in chunks, a decode step computes the one token sampled last. Its pages cover positions
+0 … num_computed-1 (page i holds positions [i·page_size, (i+1)·page_size)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .sampling import SamplingParams
+from .text import TextStream
+
+if TYPE_CHECKING:
+    from .sessions import Session
+
+
+@dataclass
+class Completion:
+    """One finished sample: the generated ids (stop token included), their text, and why it ended."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (an end id, stop id or stop string) or "length"; "abort" when aborted
+    logprobs: list[float] | None
+    prompt_token_ids: list[int]
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache or a session
+    index: int = 0  # which of the prompt's n samples
+    request_id: str = ""
+
+
+@dataclass
+class Delta:
+    """What one step added to a request: new ids, the text now safe to show, and the end if reached."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    completion: Completion | None = None
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        stream: TextStream | None,
+        *,
+        index: int = 0,
+        session: Session | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        self.id, self.params, self.stream, self.index, self.session = (
+            request_id,
+            params,
+            stream,
+            index,
+            session,
+        )
+        self.prompt_ids = prompt
+        self.tokens = list(prompt)
+        self.num_prompt = len(prompt)
+        self.num_computed = 0  # tokens with K/V in the pool
+        self.pages: list[int] = []
+        self.row: int | None = None  # row in req_to_token while running
+        self.table_len = 0  # positions of req_to_token[row] already written
+        self.cached_tokens = 0
+        self.started = False  # admitted at least once
+        self.prompt_cached = False  # the prompt's full pages went into the radix cache
+        self.forks_left = params.n - 1 if index == 0 else 0
+        self.ready_logits: torch.Tensor | None = None  # (V,) next-token logits known without a forward
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.group: list[Request] = [self]  # this prompt's samples, index order once forked
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:  # sample i of n draws from seed + i
+            self.generator = torch.Generator(device).manual_seed(params.seed + index)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute before the next token can be sampled."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def fork(self, stream: TextStream | None, device: torch.device | str) -> Request:
+        """The next of this prompt's n samples, in the same group; its memory is the scheduler's business."""
+        self.forks_left -= 1
+        index = self.params.n - 1 - self.forks_left
+        clone = Request(
+            f"{self.id}.{index}", self.prompt_ids, self.params, stream, index=index, device=device
+        )
+        clone.started, clone.cached_tokens, clone.group = True, clone.num_prompt, self.group
+        self.group.append(clone)
+        return clone
+
+    def completion(self) -> Completion:
+        assert self.finished, "completion() of a running request"
+        return Completion(
+            token_ids=self.output_ids,
+            text=self.stream.text if self.stream is not None else "",
+            finish_reason=self.finish_reason,
+            logprobs=list(self.logprobs) if self.params.logprobs else None,
+            prompt_token_ids=self.prompt_ids,
+            cached_tokens=self.cached_tokens,
+            index=self.index,
+            request_id=self.id,
+        )

@@ -1,0 +1,79 @@
+"""One forward over a step's plan: every scheduled token of every request in a single (1, T) row.
+
+Decodes come first, then prefill chunks; the `StepView` tells each attention layer where every
+request's tokens start and which slots hold its context. Only the rows whose next token is sampled go
+through the output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import StepView, select_backend
+from .pool import KVPool
+from .request import Request
+
+
+class ModelRunner:
+    def __init__(self, model, pool: KVPool, device: torch.device, dtype: torch.dtype):
+        self.model, self.pool, self.device, self.dtype = model, pool, device, dtype
+        self.steps = 0
+        self.scratch: dict = {}  # attention backends' state between steps
+
+    def forward(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
+        """Compute `n` tokens of each planned request; the requests now ready to sample and their logits.
+
+        Advances each request's `num_computed` (and its req_to_token row). Logits are float32 (N, V).
+        """
+        if not plan:
+            return [], None
+        plan = sorted(plan, key=lambda item: item[1] != 1)  # decodes first, order otherwise kept
+        ids, positions, out_slots = self._write_table(plan)
+        view = StepView.build(
+            self.pool.storage,
+            self.pool.req_to_token.table,
+            select_backend(self.device, self.dtype),
+            rows=[req.row for req, _ in plan],
+            prefix_lens=[req.num_computed for req, _ in plan],
+            extend_lens=[n for _, n in plan],
+            out_slots=out_slots,
+            page_size=self.pool.page_size,
+            keys=tuple(req.id for req, _ in plan),
+            step=self.steps,
+            scratch=self.scratch,
+        )
+        self.steps += 1
+        input_ids = torch.tensor(ids, device=self.device)[None]
+        position_ids = torch.tensor(positions, device=self.device)[None]
+        hidden, _ = self.model.hidden_states(input_ids, position_ids=position_ids, cache=view)
+        ready, sample_at, end = [], [], 0
+        for req, n in plan:
+            req.num_computed += n
+            req.table_len = req.num_computed
+            end += n
+            if req.num_computed == len(req.tokens):
+                ready.append(req)
+                sample_at.append(end - 1)
+        if not ready:
+            return [], None
+        return ready, self.model.lm_head(hidden[0, sample_at]).float()
+
+    def _write_table(self, plan: list[tuple[Request, int]]) -> tuple[list[int], list[int], list[int]]:
+        """Fill each request's req_to_token row up to its new tokens; the step's ids, positions and slots."""
+        ids: list[int] = []
+        positions: list[int] = []
+        out_slots: list[int] = []
+        rows: list[int] = []
+        table_pos: list[int] = []
+        table_slots: list[int] = []
+        for req, n in plan:
+            start, stop = req.num_computed, req.num_computed + n
+            slots = self.pool.slots(req.pages, req.table_len, stop)
+            rows += [req.row] * len(slots)
+            table_pos += range(req.table_len, stop)
+            table_slots += slots
+            out_slots += slots[len(slots) - n :]
+            ids += req.tokens[start:stop]
+            positions += range(start, stop)
+        self.pool.req_to_token.write(rows, table_pos, table_slots)
+        return ids, positions, out_slots

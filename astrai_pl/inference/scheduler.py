@@ -1,0 +1,208 @@
+"""The continuous-batching scheduler: which requests compute how many tokens in the next forward.
+
+Each step, under a budget of `max_step_tokens` new tokens:
+
+1. every running request that decodes gets its one token (oldest first);
+2. running requests still in prefill get the next chunk of their prompt (chunked prefill), so a long
+   prompt shares steps with the decodes instead of stalling them;
+3. waiting requests are admitted, oldest first, while rows, budget and memory allow. An admitted
+   request starts from the longest cached prefix of its tokens. A request whose prompt shares a long
+   prefix with one still in prefill waits for that prefill to finish and reuses its pages.
+
+When a running request needs a page and none is free or evictable, the youngest running request is
+preempted: its computed full pages go to the radix cache (where they stay if not evicted), the rest
+is freed, and it rejoins the queue at the front to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from .pool import KVPool, PoolUsage
+from .request import Request
+
+_LOOKAHEAD = 64  # waiting requests examined per step
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, max_batch_size: int, max_step_tokens: int):
+        self.pool, self.max_batch_size, self.max_step_tokens = pool, max_batch_size, max_step_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """(request, tokens to compute) for the next forward; 0 tokens: sample from ready logits."""
+        plan: list[tuple[Request, int]] = []
+        budget, preemptions = self.max_step_tokens, self.preemptions
+        for req in list(self.running):  # decodes, oldest first
+            if req in self.running and req.remaining <= 1:
+                n = self._grow(req, req.remaining, plan)
+                if req in self.running:
+                    plan.append((req, n))
+                    budget -= n
+        for req in list(self.running):  # prefill chunks, oldest first
+            if budget > 0 and req in self.running and req.remaining > 1:
+                n = self._grow(req, min(req.remaining, budget), plan)
+                if n:
+                    plan.append((req, n))
+                    budget -= n
+        if self.preemptions == preemptions:
+            self._admit(plan, budget)
+        return plan
+
+    # -- memory for running requests ----------------------------------------------------------------------
+    def _grow(self, req: Request, n: int, plan: list[tuple[Request, int]]) -> int:
+        """Pages for up to n more tokens of `req`, preempting younger requests while none fit."""
+        while n:
+            fit = self._fit(req, n)
+            if fit == n or (fit and req.remaining > 1):  # a prefill chunk may shrink to what fits
+                return self._take(req, fit)
+            victim = self.running[-1]  # running is in admission order: the last is the youngest
+            self.preempt(victim)
+            if victim is req:
+                return 0
+            plan[:] = [(r, k) for r, k in plan if r is not victim]
+        return 0
+
+    def _fit(self, req: Request, n: int) -> int:
+        room = (len(req.pages) + self.pool.available()) * self.pool.page_size - req.num_computed
+        return max(0, min(n, room))
+
+    def _take(self, req: Request, n: int) -> int:
+        need = self.pool.pages_for(req.num_computed + n) - len(req.pages)
+        if need > 0:
+            pages = self.pool.allocate(need)
+            assert pages is not None, "allocation failed after the room check"
+            req.pages.extend(pages)
+        return n
+
+    def preempt(self, req: Request) -> None:
+        """Free a running request's memory and put it back at the head of the queue, to be recomputed."""
+        self.running.remove(req)
+        self.release(req)
+        req.num_computed = req.table_len = 0
+        req.ready_logits = None
+        req.prompt_cached = False
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+
+    def add_fork(self, parent: Request, clone: Request) -> bool:
+        """Run `clone` on a copy of parent's pages (full ones shared); if there is no room, queue it to be
+        prefilled from the cache later. True when it runs now."""
+        pages = self.pool.fork(parent.pages, parent.num_computed)
+        row = self.pool.req_to_token.alloc() if pages is not None else None
+        if row is None:
+            if pages is not None:
+                self.pool.release(pages)
+            self.waiting.appendleft(clone)
+            return False
+        clone.pages, clone.row, clone.num_computed = pages, row, parent.num_computed
+        clone.prompt_cached = parent.prompt_cached
+        self.running.append(clone)
+        return True
+
+    def release(self, req: Request) -> None:
+        """Drop a request's pages (its computed full pages stay in the radix cache) and its row."""
+        if req.num_computed:
+            req.pages = self.pool.cache_prefix(req.tokens, req.pages, req.num_computed)
+        self.pool.release(req.pages)
+        req.pages = []
+        if req.row is not None:
+            self.pool.req_to_token.free(req.row)
+            req.row = None
+
+    # -- admission ----------------------------------------------------------------------------------------
+    def _admit(self, plan: list[tuple[Request, int]], budget: int) -> None:
+        for examined, req in enumerate(list(self.waiting)):
+            if budget <= 0 or examined >= _LOOKAHEAD:
+                break
+            rows = 1 + req.forks_left
+            if len(self.running) + rows > self.max_batch_size or self.pool.req_to_token.num_free < rows:
+                break
+            fresh = not req.pages and req.num_computed == 0
+            if fresh:
+                req.pages, req.num_computed = self.pool.match_prefix(req.tokens[: len(req.tokens) - 1])
+                if self._prefill_in_flight(req):  # wait for that prefill, then reuse its pages
+                    self._unstart(req)
+                    continue
+            n = self._start(req, budget)
+            if n is None:  # memory is short: keep arrival order
+                if fresh:
+                    self._unstart(req)
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            plan.append((req, n))
+            budget -= n
+
+    def _start(self, req: Request, budget: int) -> int | None:
+        """Reserve memory and a row for the first chunk; None when memory is short."""
+        n = min(req.remaining, budget)
+        headroom = req.forks_left  # a page for each fork's copy of the partial page
+        if self.pool.page_size < self.pool.req_to_token.max_context:  # paged: running requests grow
+            headroom += len(self.running)
+        need = self.pool.pages_for(req.num_computed + n) - len(req.pages)
+        if need > 0 and need + headroom > self.pool.available():
+            return None
+        self._take(req, n)
+        req.row = self.pool.req_to_token.alloc()
+        req.table_len = 0
+        if not req.started:
+            req.started = True
+            req.cached_tokens = min(req.num_computed, req.num_prompt)
+        return n
+
+    def _unstart(self, req: Request) -> None:
+        self.pool.release(req.pages)
+        req.pages, req.num_computed = [], 0
+
+    def _prefill_in_flight(self, req: Request) -> bool:
+        """Whether a running prefill will soon cache much more of req's prompt than the cache holds now."""
+        ps, matched = self.pool.page_size, req.num_computed
+        if self.pool.radix is None:
+            return False
+        uncached = len(req.tokens) - matched
+        for other in self.running:
+            if other.prompt_cached or other.num_computed >= other.num_prompt:
+                continue
+            shared = _common_prefix(req.tokens, other.tokens[: other.num_prompt]) // ps * ps
+            if shared - matched >= max(ps, uncached // 2):
+                return True
+        return False
+
+    # -- accounting ---------------------------------------------------------------------------------------
+    def check(self, other_holders: list[list[int]], sessions: Iterable) -> PoolUsage:
+        """The pool's recount over every request and `other_holders`, plus rows and req_to_token."""
+        pool, ps = self.pool, self.pool.page_size
+        requests = list(self.running) + list(self.waiting)
+        partial = [
+            h.pages[h.num_computed // ps]
+            for h in (*self.running, *sessions)
+            if h.num_computed // ps < len(h.pages)
+        ]
+        usage = pool.check([r.pages for r in requests] + other_holders, writable=partial)
+        rows = [r.row for r in self.running]
+        assert None not in rows and len(set(rows)) == len(rows), f"request rows owned twice: {rows}"
+        assert all(r.row is None for r in self.waiting), "a waiting request keeps a row"
+        assert len(rows) + pool.req_to_token.num_free == pool.req_to_token.num_rows, "a request row leaked"
+        for r in requests:
+            assert len(r.pages) == pool.pages_for(r.num_computed), f"{r.id} holds pages past its K/V"
+        for r in self.running:
+            table = pool.req_to_token.table[r.row, : r.table_len].tolist()
+            assert table == pool.slots(r.pages, 0, r.table_len), f"req_to_token of {r.id} is stale"
+        return usage
+
+
+def _common_prefix(a: list[int], b: list[int], chunk: int = 64) -> int:
+    n, i = min(len(a), len(b)), 0
+    while i < n and a[i : i + chunk] == b[i : i + chunk]:
+        i += chunk
+    while i < n and a[i] == b[i]:
+        i += 1
+    return min(i, n)

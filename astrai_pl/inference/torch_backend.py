@@ -1,0 +1,200 @@
+"""The always-available attention backend: gather K/V from the pool, then `scaled_dot_product_attention`.
+
+Decodes (one query each) share one padded SDPA call; multi-token requests (prefill chunks) are bucketed
+by length so padding at most doubles their work. Grouped-query heads are folded into the query length
+— q (n, Hkv, group·E, D) against K (n, Hkv, C, D) — so K/V are never repeated per query head (PyTorch's
+`enable_gqa` is much slower on CPU).
+
+K/V are gathered a page at a time (a page's slots are contiguous): the same bytes as a token gather
+with page_size× fewer indices. Pages longer than `max_gather_page` (the contiguous layout) are gathered
+token by token, so only the context is copied.
+
+While the same requests keep decoding, their contexts are not gathered again every step: a
+`DecodeMirror` keeps dense copies, built with one gather once a decode batch has stayed the same for
+two steps, then extended by each step's new token. It is valid only for the very next step of exactly
+the same requests, each one token longer; anything else (a request joins, finishes, is preempted)
+drops it, and the decode group is gathered from the pool until the batch settles again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .backends import StepView
+
+MIRROR_BYTES = 256 * 1024**2  # above this the decode group is gathered every step instead
+
+
+@dataclass
+class DecodeMirror:
+    """Dense K/V of the decoding requests: (layers, n, Hkv, capacity, D), valid up to each kv_len."""
+
+    keys: tuple[str, ...]
+    kv_lens: list[int]
+    step: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def follows(self, keys: tuple[str, ...], kv_lens: list[int], step: int) -> bool:
+        """Whether this step is the next one of exactly these requests, each one token longer, and fits."""
+        return (
+            step == self.step + 1
+            and keys == self.keys
+            and max(kv_lens) <= self.k.shape[3]
+            and all(now == before + 1 for now, before in zip(kv_lens, self.kv_lens))
+        )
+
+
+@dataclass
+class _Group:
+    """Requests attended in one padded SDPA call: queries (n, E), keys (n, C)."""
+
+    kv_index: torch.Tensor | None  # (n, C / unit) pages of `unit` slots (padding: a real page, masked)
+    mask: torch.Tensor  # (n, 1, G·E, C) bool, True = may attend
+    q_index: torch.Tensor | None  # (n, E) into the step's tokens; None: decode group (E = 1, in order)
+    out_index: torch.Tensor | None  # (valid,) rows of the flattened (n·E) output that are real tokens
+    dst: torch.Tensor | None  # (valid,) where those rows go in the step's output
+    width: int  # E
+    mirror: DecodeMirror | None = None  # decode group read from dense copies instead of the pool
+    new_pos: torch.Tensor | None = None  # (n,) where this step's token goes in the mirror
+
+
+class TorchBackend:
+    name = "torch"
+    max_gather_page = 64
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        return None
+
+    def prepare(self, view: StepView, num_q_heads: int) -> tuple[int, list[_Group]]:
+        group_size = num_q_heads // view.storage.k.shape[2]
+        unit = view.page_size if view.page_size <= self.max_gather_page else 1
+        groups = [self._decode_group(view, unit)] if view.num_decode else []
+        for members in _bucket(view.extend_lens, view.num_decode):
+            groups.append(self._extend_group(view, members, group_size, unit))
+        return unit, groups
+
+    def _decode_group(self, view: StepView, unit: int) -> _Group:
+        nd = view.num_decode
+        kv_lens = view.kv_lens[:nd]
+        lens = torch.tensor(kv_lens, device=view.rows.device)
+        mirror = _mirror(view, kv_lens)
+        width = max(kv_lens) if mirror is not None else -(-max(kv_lens) // unit) * unit
+        mask = (torch.arange(width, device=lens.device) < lens[:, None])[:, None, None, :]
+        if mirror is not None:
+            return _Group(None, mask, None, None, None, 1, mirror=mirror, new_pos=lens - 1)
+        return _Group(_gather_index(view, view.rows[:nd], width, unit), mask, None, None, None, 1)
+
+    def _extend_group(self, view: StepView, members: list[int], group_size: int, unit: int) -> _Group:
+        device = view.rows.device
+        ext = torch.tensor([view.extend_lens[i] for i in members], device=device)
+        prefix = torch.tensor([view.prefix_lens[i] for i in members], device=device)
+        start = view.qo_indptr[members].to(torch.int64)
+        width = int(ext.max())
+        ctx = -(-int((ext + prefix).max()) // unit) * unit
+        j = torch.arange(width, device=device)
+        q_index = start[:, None] + torch.minimum(j[None], ext[:, None] - 1)  # padding repeats the last query
+        q_pos = prefix[:, None] + j[None]  # (n, E)
+        k_pos = torch.arange(ctx, device=device)
+        mask = (k_pos <= q_pos[..., None]) & (k_pos < (prefix + ext)[:, None, None])  # (n, E, C)
+        mask = mask[:, None].repeat(1, 1, group_size, 1)  # rows g·E + j
+        valid = j[None] < ext[:, None]
+        out_index = (torch.arange(len(members), device=device)[:, None] * width + j[None])[valid]
+        kv_index = _gather_index(view, view.rows[members], ctx, unit)
+        return _Group(kv_index, mask, q_index, out_index, q_index[valid], width)
+
+    def attend(
+        self, view: StepView, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> torch.Tensor:
+        unit, groups = view.meta
+        T, Hq, D = q.shape
+        Hkv = view.storage.k.shape[2]
+        G = Hq // Hkv
+        out = None if len(groups) == 1 and groups[0].q_index is None else q.new_empty(T, Hq, D)
+        for g in groups:
+            k, v = _context(view, layer_idx, g, unit, k_new, v_new)  # (n, Hkv, C, D)
+            n, E = k.shape[0], g.width
+            if g.q_index is None:  # decode: the first n tokens, one per request
+                o = F.scaled_dot_product_attention(q[:n].view(n, Hkv, G, D), k, v, attn_mask=g.mask)
+                if out is None:
+                    return o.reshape(n, Hq, D)
+                out[:n] = o.reshape(n, Hq, D)
+                continue
+            qg = q[g.q_index].view(n, E, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * E, D)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask)  # (n, Hkv, G·E, D)
+            o = o.view(n, Hkv, G, E, D).permute(0, 3, 1, 2, 4).reshape(n * E, Hq, D)
+            out.index_copy_(0, g.dst, o[g.out_index])
+        return out
+
+
+def _context(
+    view: StepView, layer: int, g: _Group, unit: int, k_new, v_new
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (n, Hkv, C, D) of a group's requests: from the mirror, or gathered from the pool."""
+    if g.mirror is not None:
+        n, width = g.new_pos.shape[0], g.mask.shape[-1]
+        rows = torch.arange(n, device=g.new_pos.device)
+        k, v = g.mirror.k[layer], g.mirror.v[layer]
+        k[rows, :, g.new_pos] = k_new[:n]
+        v[rows, :, g.new_pos] = v_new[:n]
+        return k[:, :, :width], v[:, :, :width]
+    Hkv, D = view.storage.k.shape[2:]
+    n = g.kv_index.shape[0]
+    k = view.storage.k[layer].view(-1, unit, Hkv, D)[g.kv_index].view(n, -1, Hkv, D)
+    v = view.storage.v[layer].view(-1, unit, Hkv, D)[g.kv_index].view(n, -1, Hkv, D)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _mirror(view: StepView, kv_lens: list[int]) -> DecodeMirror | None:
+    """The decode mirror for this step: the last step's, extended, or a new one; None when not kept."""
+    if view.scratch is None:
+        return None
+    nd, keys = len(kv_lens), view.keys[: len(kv_lens)]
+    previous = view.scratch.get("decode_batch")
+    view.scratch["decode_batch"] = (keys, view.step)
+    mirror = view.scratch.pop("decode_mirror", None)
+    if mirror is not None and mirror.follows(keys, kv_lens, view.step):
+        mirror.kv_lens, mirror.step = kv_lens, view.step
+        view.scratch["decode_mirror"] = mirror
+        return mirror
+    if previous != (keys, view.step - 1):  # a batch that just changed may change again: copy it later
+        return None
+    layers, _, Hkv, D = view.storage.k.shape
+    capacity = -(-(max(kv_lens) + 128) // 64) * 64
+    if 2 * layers * nd * Hkv * capacity * D * view.storage.k.element_size() > MIRROR_BYTES:
+        return None
+    k = view.storage.k.new_zeros(layers, nd, Hkv, capacity, D)  # zeros: padding must stay finite
+    v = torch.zeros_like(k)
+    width = max(kv_lens) - 1  # the new token is written by each layer as it comes
+    slots = view.req_to_token[view.rows[:nd], :width].to(torch.int64)
+    k[:, :, :, :width] = view.storage.k[:, slots].transpose(2, 3)
+    v[:, :, :, :width] = view.storage.v[:, slots].transpose(2, 3)
+    mirror = DecodeMirror(keys, kv_lens, view.step, k, v)
+    view.scratch["decode_mirror"] = mirror
+    return mirror
+
+
+def _gather_index(view: StepView, rows: torch.Tensor, width: int, unit: int) -> torch.Tensor:
+    """(n, width / unit) indices of the `unit`-slot blocks holding positions 0 … width-1 of each row."""
+    slots = view.req_to_token[rows, :width:unit]
+    return slots if unit == 1 else slots // unit
+
+
+def _bucket(extend_lens: list[int], start: int, max_waste: float = 2.0) -> list[list[int]]:
+    """Group multi-token requests (indices ≥ start) so padding to the longest costs at most `max_waste`×."""
+    order = sorted(range(start, len(extend_lens)), key=lambda i: -extend_lens[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets:
+            members = buckets[-1]
+            padded = (len(members) + 1) * extend_lens[members[0]]
+            if padded <= max_waste * (sum(extend_lens[m] for m in members) + extend_lens[i]) or padded <= 256:
+                members.append(i)
+                continue
+        buckets.append([i])
+    return buckets
