@@ -1,0 +1,338 @@
+"""`astrai-pl generate` and `astrai-pl chat`: the inference engine on a Hugging Face directory or a checkpoint.
+
+    astrai-pl generate --model hf_dir/ --prompt "Once upon a time" --max-tokens 64
+    astrai-pl generate --model last.ckpt --input prompts.jsonl --output completions.jsonl --temperature 0
+    astrai-pl chat --model hf_dir/ --system "You answer in one sentence."
+
+`--model` is a Hugging Face directory, a .ckpt written by `astrai-pl fit` or a sharded FSDP2 checkpoint
+folder. Each input line of `generate` is {"prompt": str} or {"messages": [...]} (rendered with the chat
+template and its generation prompt); each output line keeps the input's fields and adds "completion",
+"finish_reason" and "token_ids". `chat` keeps the conversation in an engine session, so each turn
+computes only its own tokens, never the history again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import jinja2
+import torch
+
+from .callbacks.checkpoint import is_sharded_checkpoint, write_atomically
+from .data.pretrain import load_tokenizer
+from .inference import CapacityError, Engine, InferenceError, SamplingParams, SamplingParamsError, Session
+from .model.config import ConfigError
+from .model.hf import CheckpointError
+from .objectives.base import load_transformer
+from .tokenizer import Tokenizer, TokenizerError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHUNK = 256  # prompts handed to the engine at once: it batches them; results are written as each chunk ends
+
+
+class CommandError(ValueError):
+    """A command-line input is unusable: a malformed prompt line, a tokenizer that does not fit the model."""
+
+
+# -- model, tokenizer and sampling: shared by both verbs ---------------------------------------------------
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", required=True,
+                       help="a Hugging Face directory, a .ckpt written by astrai-pl fit, or a sharded checkpoint folder")
+    group.add_argument("--tokenizer", default=None,
+                       help="'byte' or a tokenizer directory (default: the model directory's, else 'byte')")
+    group.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    group.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as loaded (float32)")
+    group.add_argument("--max-total-tokens", type=int, default=None,
+                       help="KV pool size in tokens (default: 80%% of free GPU memory, 32k on CPU)")
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (see SamplingParams)")
+    group.add_argument("--max-tokens", type=int, default=SamplingParams.max_tokens)
+    group.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0 is greedy")
+    group.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    group.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="0 keeps every token")
+    group.add_argument("--min-p", type=float, default=SamplingParams.min_p)
+    group.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty)
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=[], help="a stop string; repeat for several")
+
+
+def generation_eos_ids(model_path: str | Path) -> list[int]:
+    """End ids a Hugging Face directory's generation_config.json lists (often more than config.json's)."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise CommandError(f"{path} is not a JSON object ({err}); fix or delete the file") from None
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def default_tokenizer(model_path: str | Path) -> str:
+    """The model directory when it holds tokenizer.json, else the built-in byte tokenizer."""
+    path = Path(model_path)
+    return str(path) if (path / "tokenizer.json").is_file() else "byte"
+
+
+def load_engine(ns: argparse.Namespace) -> tuple[Engine, Tokenizer, list[int]]:
+    """The engine on `--model`, its tokenizer, and the extra end ids of a Hugging Face directory."""
+    model = load_transformer(None, ns.model).eval()
+    tokenizer = load_tokenizer(ns.tokenizer or default_tokenizer(ns.model))
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise CommandError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but {ns.model} only {model.config.vocab_size}; "
+            "pass the tokenizer the model was trained with (--tokenizer DIR)"
+        )
+    path = Path(ns.model)
+    hf_dir = path.is_dir() and not is_sharded_checkpoint(path)
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = Engine(model, tokenizer, device=device, dtype=DTYPES.get(ns.dtype),
+                    max_total_tokens=ns.max_total_tokens)
+    return engine, tokenizer, generation_eos_ids(path) if hf_dir else []
+
+
+def sampling_params(ns: argparse.Namespace, stop_token_ids: list[int]) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty, seed=ns.seed, stop=ns.stop, stop_token_ids=stop_token_ids,
+    )
+
+
+def _fail(verb: str, err: Exception) -> SystemExit:
+    return SystemExit(f"astrai-pl {verb}: {err}")
+
+
+# Errors whose message already says what is wrong and how to fix it: the verbs print them, no traceback.
+USER_ERRORS = (CommandError, CheckpointError, ConfigError, TokenizerError, SamplingParamsError, InferenceError,
+               FileNotFoundError)
+
+
+# -- generate ----------------------------------------------------------------------------------------------
+def _check_messages(messages: Any) -> str | None:
+    """Why `messages` is not a chat, or None."""
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            return f"messages[{i}] must be an object with a 'role' string and a 'content'"
+    return None
+
+
+def prompt_ids(row: Any, tokenizer: Tokenizer, chat_template: bool, add_special_tokens: bool) -> list[int]:
+    """The token ids of one input row: {"prompt": str} or {"messages": [...]} (raises ValueError saying why)."""
+    if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+        raise ValueError('expected an object with either "prompt" (a string) or "messages" (a list)')
+    if "messages" in row:
+        if (why := _check_messages(row["messages"])) is not None:
+            raise ValueError(why)
+        return tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True)
+    if not isinstance(row["prompt"], str):
+        raise ValueError(f"'prompt' must be a string, got {type(row['prompt']).__name__}")
+    if chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True)
+    return tokenizer.encode(row["prompt"], add_special_tokens=add_special_tokens)
+
+
+def read_prompts(path: str | Path, tokenizer: Tokenizer, chat_template: bool, add_special_tokens: bool,
+                 max_context: int) -> list[tuple[dict[str, Any], list[int]]]:
+    """Every non-blank line of a JSONL file with its prompt ids; a bad line raises CommandError naming it."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+                ids = prompt_ids(row, tokenizer, chat_template, add_special_tokens)
+            except json.JSONDecodeError as err:
+                raise CommandError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); "
+                                   'each line must be an object like {"prompt": "..."}') from None
+            except (ValueError, jinja2.TemplateError) as err:
+                raise CommandError(f"{where}: {err}") from None
+            if not ids:
+                raise CommandError(f"{where}: the prompt is empty; give it some text")
+            if len(ids) >= max_context:
+                raise CommandError(f"{where}: the prompt has {len(ids)} tokens, the context holds {max_context}; "
+                                   "shorten it or raise --max-total-tokens")
+            rows.append((row, ids))
+    return rows
+
+
+def _completion_lines(engine: Engine, rows, params: SamplingParams) -> Iterator[str]:
+    for start in range(0, len(rows), CHUNK):
+        chunk = rows[start:start + CHUNK]
+        for (row, _), out in zip(chunk, engine.generate([ids for _, ids in chunk], params)):
+            record = {**row, "completion": out.text, "finish_reason": out.finish_reason, "token_ids": out.token_ids}
+            yield json.dumps(record, ensure_ascii=False) + "\n"
+
+
+def write_completions(engine: Engine, rows, params: SamplingParams, output: str | None, stdout: IO[str]) -> None:
+    """One JSONL line per row, to `output` (atomically: a temporary file renamed over it) or to stdout."""
+    if output is None:
+        for line in _completion_lines(engine, rows, params):
+            stdout.write(line)
+        return
+    write_atomically(Path(output), lambda f: f.writelines(
+        line.encode("utf-8") for line in _completion_lines(engine, rows, params)))
+
+
+def generate_verb(argv: list[str], stdout: IO[str] | None = None) -> None:
+    """`astrai-pl generate`: complete one prompt (printed as it streams) or every line of a JSONL file."""
+    parser = argparse.ArgumentParser(
+        prog="astrai-pl generate", description="Complete one prompt, or every line of a JSONL file of prompts.")
+    _add_model_arguments(parser)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt; its completion is printed as it is generated")
+    source.add_argument("--input", help='a JSONL file: one {"prompt": str} or {"messages": [...]} per line')
+    parser.add_argument("--output", help="write JSONL completions here (default: stdout)")
+    parser.add_argument("--chat-template", action="store_true",
+                        help="render plain prompts as one user message with the chat template")
+    parser.add_argument("--add-special-tokens", action="store_true",
+                        help="let the tokenizer add its specials (e.g. BOS) to plain prompts")
+    _add_sampling_arguments(parser)
+    ns = parser.parse_args(argv)
+    stdout = stdout or sys.stdout
+    try:
+        engine, tokenizer, eos_ids = load_engine(ns)
+        params = sampling_params(ns, eos_ids)
+        if ns.input is not None:
+            rows = read_prompts(ns.input, tokenizer, ns.chat_template, ns.add_special_tokens, engine.max_context)
+            write_completions(engine, rows, params, ns.output, stdout)
+            return
+        try:
+            ids = prompt_ids({"prompt": ns.prompt}, tokenizer, ns.chat_template, ns.add_special_tokens)
+        except jinja2.TemplateError as err:
+            raise CommandError(f"--prompt: the chat template failed: {err}") from None
+        if not ids:
+            raise CommandError("--prompt is empty; give it some text")
+        if ns.output is not None:
+            write_completions(engine, [({"prompt": ns.prompt}, ids)], params, ns.output, stdout)
+            return
+        for delta in engine.stream(ids, params):
+            stdout.write(delta.text)
+            stdout.flush()
+        stdout.write("\n")
+    except USER_ERRORS as err:
+        raise _fail("generate", err) from None
+
+
+# -- chat --------------------------------------------------------------------------------------------------
+class Conversation:
+    """A chat whose K/V stay in an engine session between turns.
+
+    Each turn renders the whole conversation with the chat template; when the session already holds a
+    prefix of those ids (the usual case: the history and the reply just generated), only the rest is
+    computed. When it does not — a reply that stopped on another end id, or whose text re-encodes to
+    other ids — the session starts over on the templated conversation, whose full pages the prefix cache
+    still mostly holds. Either way a turn sees exactly the ids the chat template gives.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, params: SamplingParams, system: str | None = None):
+        if tokenizer.chat_template is None:
+            raise CommandError("chat needs a tokenizer with a chat template; pass --tokenizer DIR with one "
+                               "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+        self.engine, self.tokenizer, self.params, self.system = engine, tokenizer, params, system
+        self.session: Session | None = None
+        self.messages: list[dict[str, str]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every turn (the system prompt stays) and release the session's pages."""
+        self.close()
+        self.session = self.engine.session()
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reply(self, text: str) -> Iterator[str]:
+        """Stream the answer to the user's `text`; the turn joins the conversation once the answer ends."""
+        turn = [*self.messages, {"role": "user", "content": text}]
+        ids = self.tokenizer.apply_chat_template(turn, add_generation_prompt=True)
+        held = self.session.tokens
+        if ids[:len(held)] != held:
+            self.session.close()
+            self.session, held = self.engine.session(), []
+        deltas = self.session.stream(ids[len(held):], self.params)
+        completion = None
+        try:
+            for delta in deltas:
+                if delta.text:
+                    yield delta.text
+                completion = delta.completion or completion
+        finally:
+            deltas.close()  # an abandoned answer is aborted; the turn is not kept
+        assert completion is not None, "a finished stream ends with its completion"
+        self.messages = [*turn, {"role": "assistant", "content": completion.text}]
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+
+
+CHAT_HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits"
+
+
+def _chat_loop(conversation: Conversation, stdin: IO[str], stdout: IO[str], interactive: bool) -> None:
+    while True:
+        if interactive:
+            stdout.write("> ")
+            stdout.flush()
+        line = stdin.readline()
+        command = line.strip()
+        if not line or command == "/exit":
+            return
+        if command == "/reset":
+            conversation.reset()
+            if interactive:
+                stdout.write("(new conversation)\n")
+            continue
+        if not command:
+            continue
+        pieces = conversation.reply(line.rstrip("\r\n"))
+        try:
+            for piece in pieces:
+                stdout.write(piece)
+                stdout.flush()
+        except CapacityError as err:
+            stdout.write(f"[{err}; /reset starts a new conversation]")
+        except KeyboardInterrupt:
+            stdout.write(" [interrupted]")
+        finally:
+            pieces.close()
+        stdout.write("\n")
+        stdout.flush()
+
+
+def chat_verb(argv: list[str], stdin: IO[str] | None = None, stdout: IO[str] | None = None) -> None:
+    """`astrai-pl chat`: talk to a model turn by turn; each user line gets a streamed answer."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    parser = argparse.ArgumentParser(
+        prog="astrai-pl chat", description="Talk to a model turn by turn; answers stream as they are generated.",
+        epilog=CHAT_HELP)
+    _add_model_arguments(parser)
+    parser.add_argument("--system", default=None, help="a system prompt opening every conversation")
+    _add_sampling_arguments(parser)
+    ns = parser.parse_args(argv)
+    try:
+        engine, tokenizer, eos_ids = load_engine(ns)
+        conversation = Conversation(engine, tokenizer, sampling_params(ns, eos_ids), ns.system)
+    except USER_ERRORS as err:
+        raise _fail("chat", err) from None
+    interactive = stdin.isatty()
+    if interactive:
+        stdout.write(f"chatting with {ns.model}; {CHAT_HELP}\n")
+    try:
+        _chat_loop(conversation, stdin, stdout, interactive)
+    except KeyboardInterrupt:
+        stdout.write("\n")
+    finally:
+        conversation.close()
