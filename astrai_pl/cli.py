@@ -3,6 +3,8 @@
     astrai-pl fit --config configs/pretrain/tiny.yaml [--trainer.max_steps 100 …]
     astrai-pl tokenizer train --input corpus.txt --vocab-size 8000 --output tok/
     astrai-pl convert --ckpt last.ckpt --output hf_dir/
+    astrai-pl generate --model hf_dir/ --prompt "What is 2 + 3?"      (or --input prompts.jsonl --output out.jsonl)
+    astrai-pl chat --model hf_dir/
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import sys
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
+from .commands import chat_verb, generate_verb
+from .data.rows import DataError
 from .objectives import Objective
 
 LIGHTNING_VERBS = {"fit", "validate", "test", "predict"}
@@ -81,7 +85,7 @@ def _convert_verb(argv: list[str]) -> None:
     print(f"wrote {ns.output}")
 
 
-VERBS = {"tokenizer": _tokenizer_verb, "convert": _convert_verb}
+VERBS = {"tokenizer": _tokenizer_verb, "convert": _convert_verb, "generate": generate_verb, "chat": chat_verb}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,7 +96,10 @@ def main(argv: list[str] | None = None) -> None:
     if words and not words[0].startswith("-") and words[0] not in LIGHTNING_VERBS:
         raise SystemExit(f"astrai-pl: unknown command {words[0]!r}; use one of "
                          f"{', '.join(sorted(LIGHTNING_VERBS | set(VERBS)))}")
-    lightning_main(argv)  # None: LightningCLI reads sys.argv itself
+    try:
+        lightning_main(argv)  # None: LightningCLI reads sys.argv itself
+    except DataError as err:  # bad rows or data that cannot train: the message names file, line, field and fix
+        raise SystemExit(f"astrai-pl: {err}") from None
 
 if __name__ == "__main__":
     main()

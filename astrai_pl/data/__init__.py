@@ -1,5 +1,21 @@
 """LightningDataModules and the pure functions behind them."""
 
+from .base import RowsData
+from .dpo import DPOData, collate_pairs
+from .grpo import GRPOData, collate_prompts
+from .packing import PackStats, collate, pack_rows
+from .preprocess import Section, encode_row, preset_sections, render_example
 from .pretrain import PretrainData
+from .rows import DataError
+from .sft import SFTData
+from .sources import Arithmetic
+from .synthetic import Problem, accuracy, exact_match, extract_answer, synthetic_dataset
+from .windows import WindowedLoader, windowed
 
-__all__ = ["PretrainData"]
+__all__ = [
+    "PretrainData", "SFTData", "DPOData", "GRPOData", "RowsData", "Arithmetic",
+    "DataError", "Section", "preset_sections", "encode_row", "render_example",
+    "pack_rows", "PackStats", "collate", "collate_pairs", "collate_prompts",
+    "WindowedLoader", "windowed",
+    "Problem", "synthetic_dataset", "extract_answer", "exact_match", "accuracy",
+]

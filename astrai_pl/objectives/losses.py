@@ -38,12 +38,13 @@ def cross_entropy(
 
     with m_t = 1 where labels[t] != ignore_index, ε = label_smoothing and N = Σ_t m_t, or the given
     `normalizer` (e.g. the trained-token count of a whole accumulation window, which makes gradient
-    accumulation exact). Computed in float32 whatever the logits' dtype.
+    accumulation exact). Computed in float32, or float64 for float64 logits.
 
     Metrics: `nll` (the unsmoothed mean negative log-likelihood over this batch's trained tokens) and
     `tokens` (how many tokens were trained).
     """
-    flat_logits = logits.reshape(-1, logits.size(-1)).float()
+    flat_logits = logits.reshape(-1, logits.size(-1))
+    flat_logits = flat_logits.to(torch.promote_types(flat_logits.dtype, torch.float32))
     flat_labels = labels.reshape(-1)
     summed = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index,
                              label_smoothing=label_smoothing, reduction="sum")

@@ -1,0 +1,180 @@
+"""DPOData: preference pairs — a shared prompt, a chosen and a rejected response — padded per batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from datasets import Dataset
+from torch.utils.data import DataLoader
+
+from .base import RowsData
+from .packing import IGNORE_INDEX, column_of, ragged, row_lengths
+from .preflight import check_trained_tokens, describe_example
+from .preprocess import Section
+from .rows import DataError, log_skipped
+from .sources import Arithmetic, Encoded, announce, train_sampler
+from .windows import pairs_in, windowed
+
+SIDES = ("chosen", "rejected")
+DPO_TRUNCATIONS = ("right", "drop")
+
+
+def _labels(ids: Sequence[int], mask: Sequence[int]) -> list[int]:
+    # the first token is never a target (nothing precedes it), as in packed SFT examples
+    return [IGNORE_INDEX] + [t if m else IGNORE_INDEX for t, m in zip(ids[1:], mask[1:])]
+
+
+def identical_pairs(rows: Any, max_seq_len: int) -> np.ndarray:
+    """Indices of the pairs whose chosen and rejected sequences are the same once cut to max_seq_len.
+
+    Such a pair teaches nothing: its log-ratio margin is 0 for every policy, so it only dilutes the batch.
+    """
+    (chosen, c_off), (rejected, r_off) = (ragged(column_of(rows, f"{side}_input_ids")) for side in SIDES)
+    c_len, r_len = (np.minimum(np.diff(off), max_seq_len) for off in (c_off, r_off))
+    same = [i for i in np.flatnonzero(c_len == r_len)
+            if np.array_equal(chosen[c_off[i]:c_off[i] + c_len[i]], rejected[r_off[i]:r_off[i] + c_len[i]])]
+    return np.asarray(same, dtype=np.int64)
+
+
+def collate_pairs(rows: Sequence[dict[str, Any]], pad_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:
+    """Chosen and rejected sequences, cut to max_seq_len and right-padded to one width T.
+
+    Returns `{side}_input_ids` and `{side}_labels` (B, T) for side in chosen/rejected — labels are the
+    tokens where the loss mask is 1 and -100 elsewhere (prompt, padding) — `prompt_lengths` (B,): the
+    tokens of the prompt both responses share, and `row_index` (B,): each pair's position in its split,
+    when the rows carry it (DPOData's do), which keys precomputed reference log-probabilities. With one
+    width the objective can stack both sides into a single (2B, T) forward.
+    """
+    cut = {side: [r[f"{side}_input_ids"][:max_seq_len] for r in rows] for side in SIDES}
+    width = max(len(ids) for side in SIDES for ids in cut[side])
+    batch: dict[str, torch.Tensor] = {}
+    for side in SIDES:
+        masks = [r[f"{side}_loss_mask"][:max_seq_len] for r in rows]
+        batch[f"{side}_input_ids"] = torch.tensor(
+            [ids + [pad_id] * (width - len(ids)) for ids in cut[side]], dtype=torch.long)
+        batch[f"{side}_labels"] = torch.tensor(
+            [_labels(ids, m) + [IGNORE_INDEX] * (width - len(ids)) for ids, m in zip(cut[side], masks)],
+            dtype=torch.long)
+    batch["prompt_lengths"] = torch.tensor([min(r["prompt_length"], max_seq_len) for r in rows], dtype=torch.long)
+    if "row_index" in rows[0]:
+        batch["row_index"] = torch.tensor([r["row_index"] for r in rows], dtype=torch.long)
+    return batch
+
+
+class DPOData(RowsData):
+    """Preference pairs for DPO: rows `prompt`, `chosen`, `rejected` (text or messages).
+
+    Train batches carry `window_pairs` (the pairs of their accumulation window), with which an objective
+    can make a per-pair mean exact under gradient accumulation, and every batch carries `row_index` (the
+    pair's position in its split). A pair whose chosen equals its rejected is an error before training
+    starts (or, with on_bad_row='skip', dropped and counted).
+    """
+
+    kind = "dpo"
+
+    def __init__(
+        self,
+        path: str | None = None,
+        tokenizer: str = "byte",
+        sections: str | list[Section] | None = None,
+        split: str = "train",
+        val_split: str | None = None,
+        val_fraction: float = 0.05,
+        max_seq_len: int = 512,
+        truncation: str = "right",
+        on_bad_row: str = "error",
+        batch_size: int = 8,
+        num_proc: int | None = None,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+        seed: int = 0,
+        synthetic: Arithmetic | None = None,
+    ):
+        """
+        Args:
+            path: Rows with prompt/chosen/rejected: a jsonl/json/parquet file, a saved `datasets` directory or
+                a hub name; None = the built-in arithmetic task (the right answer chosen over a near miss).
+            tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
+            sections: A preset name (preference, preference_text) or a list of Sections with one on 'chosen'
+                and one on 'rejected'; None = the preset matching the rows.
+            split: Split of a hub dataset or saved DatasetDict to train on.
+            val_split: Split to validate on; None = hold out `val_fraction` of the rows instead.
+            val_fraction: Share of rows held out for validation (by a seeded hash of the row index).
+            max_seq_len: Longest prompt + response; longer sequences are cut or their pair dropped.
+            truncation: 'right' (cut the response's tail) or 'drop' (drop the pair). Counts are logged.
+            on_bad_row: 'error' (stop, naming the file, line and field) or 'skip' (drop the row, counted in the log).
+            batch_size: Pairs per micro-batch.
+            num_proc: Processes for encoding (`Dataset.map`).
+            num_workers: DataLoader worker processes.
+            cache_dir: Where datasets are cached (default ~/.cache/astrai_pl or $ASTRAI_CACHE).
+            seed: Seed of the held-out split, the synthetic rows and the shuffle.
+            synthetic: The arithmetic task used when path is None.
+        """
+        if truncation not in DPO_TRUNCATIONS:
+            raise ValueError(f"DPOData.truncation={truncation!r}; use one of {DPO_TRUNCATIONS} (cutting a "
+                             "pair's left side would change the prompt the two responses share)")
+        if max_seq_len < 2:
+            raise ValueError(f"DPOData.max_seq_len={max_seq_len}; need at least 2 tokens for one target")
+        super().__init__(path, tokenizer, sections, split, val_split, val_fraction, on_bad_row, batch_size,
+                         num_proc, num_workers, cache_dir, seed, synthetic)
+
+    def _build(self, splits: dict[str, Encoded]) -> None:
+        self.train_set, self.val_set = (self._trainable(splits[name]) for name in ("train", "val"))
+        for side in SIDES:
+            announce(f"DPOData: a training pair, {side} (trained tokens in [[ ]]):",
+                     describe_example(self.train_set, self.tokenizer, 0, f"{side}_input_ids", f"{side}_loss_mask"))
+
+    def _trainable(self, encoded: Encoded) -> Dataset:
+        """Pairs whose two responses each keep a trained token within max_seq_len (and fit it, for 'drop')."""
+        hp = self.hparams
+        keep = None
+        for side in SIDES:
+            kept = check_trained_tokens(encoded.rows, hp.max_seq_len, "none", "right", source=encoded.name,
+                                        lines=encoded.lines, on_bad_row=hp.on_bad_row, mask_column=f"{side}_loss_mask")
+            keep = kept if keep is None else np.intersect1d(keep, kept)
+        if hp.truncation == "drop":
+            longest = np.maximum(*(row_lengths(encoded.rows, f"{side}_input_ids") for side in SIDES))
+            dropped = int((longest > hp.max_seq_len).sum())
+            announce(f"DPOData {encoded.name}: {dropped} pair(s) longer than max_seq_len={hp.max_seq_len} dropped")
+            keep = np.intersect1d(keep, np.flatnonzero(longest <= hp.max_seq_len))
+        keep = np.setdiff1d(keep, self._identical(encoded))
+        rows = encoded.rows if len(keep) == len(encoded.rows) else encoded.rows.select(keep)
+        return rows.add_column("row_index", np.arange(len(rows)))
+
+    def _identical(self, encoded: Encoded) -> np.ndarray:
+        """Pairs whose chosen equals their rejected: a DataError, or (on_bad_row='skip') dropped and counted."""
+        same = identical_pairs(encoded.rows, self.hparams.max_seq_len)
+        if len(same) and self.hparams.on_bad_row == "error":
+            i = int(same[0])
+            line, unit = (encoded.lines[i], "line") if encoded.lines is not None else (i + 1, "row")
+            raise DataError(
+                f"chosen and rejected are the same once cut to max_seq_len={self.hparams.max_seq_len} "
+                f"({len(same)} pair(s) like this); such a pair has no preference to learn",
+                "rejected", "fix or remove the pair, raise max_seq_len if they differ only past it, "
+                "or pass on_bad_row='skip'", encoded.name, line, unit)
+        log_skipped([f"row {i + 1}: chosen equals rejected" for i in same], encoded.name)
+        return same
+
+    def _loader(self, dataset: Dataset, **kwargs) -> DataLoader:
+        collate = partial(collate_pairs, pad_id=self.tokenizer.pad_token_id, max_seq_len=self.hparams.max_seq_len)
+        return DataLoader(dataset.with_format(None), batch_size=self.hparams.batch_size, collate_fn=collate,
+                          num_workers=self.hparams.num_workers, **kwargs)
+
+    def train_dataloader(self):
+        sampler = train_sampler(self.train_set, self.hparams.seed, self.trainer)
+        return windowed(self._loader(self.train_set, sampler=sampler), self.trainer, pairs_in, "window_pairs")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set)
+
+    def indexed_loaders(self) -> dict[str, DataLoader]:
+        """Every pair of each split ("train", "val") once, in row order and on every rank: what a table
+        keyed by `row_index` is filled from (DPO's precompute_ref_log_probs). The test loader is "val"."""
+        self._prepare()
+        return {"train": self._loader(self.train_set), "val": self._loader(self.val_set)}
+
+    test_dataloader = val_dataloader

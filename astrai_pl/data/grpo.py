@@ -1,0 +1,141 @@
+"""GRPOData: prompts for a policy to continue, with the columns the reward functions read (e.g. `answer`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+from datasets import Dataset
+from torch.utils.data import DataLoader
+
+from .base import RowsData
+from .packing import row_lengths
+from .preprocess import Section
+from .sources import Arithmetic, Encoded, announce, train_sampler
+
+PROMPT_TRUNCATIONS = ("left", "drop")
+
+
+def collate_prompts(rows: Sequence[dict[str, Any]], tokenizer: Any) -> dict[str, list]:
+    """`prompt_ids` (lists of ids, unpadded: the engine batches them), `prompt_text` (the same ids decoded,
+    template markup included) and every other column of the rows as a list (e.g. `answer`)."""
+    batch: dict[str, list] = {key: [r[key] for r in rows] for key in rows[0]}
+    batch["prompt_text"] = [tokenizer.decode(ids) for ids in batch["prompt_ids"]]
+    return batch
+
+
+def _cut_left(batch: dict[str, list], max_len: int) -> dict[str, list]:
+    return {"prompt_ids": [ids[-max_len:] for ids in batch["prompt_ids"]]}
+
+
+class GRPOData(RowsData):
+    """Prompts for GRPO rollouts: rows `prompt` (text or messages) plus any columns rewards read.
+
+    A batch is a dict of lists: `prompt_ids`, `prompt_text` and the rows' own columns (`answer`, …).
+    """
+
+    kind = "grpo"
+
+    def __init__(
+        self,
+        path: str | None = None,
+        tokenizer: str = "byte",
+        sections: str | list[Section] | None = None,
+        split: str = "train",
+        val_split: str | None = None,
+        val_fraction: float = 0.05,
+        max_prompt_len: int = 256,
+        truncation: str = "left",
+        on_bad_row: str = "error",
+        batch_size: int = 8,
+        num_proc: int | None = None,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+        seed: int = 0,
+        synthetic: Arithmetic | None = None,
+    ):
+        """
+        Args:
+            path: Rows with a prompt and reward columns: a jsonl/json/parquet file, a saved `datasets`
+                directory or a hub name; None = the built-in arithmetic task (prompts and their `answer`).
+            tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
+            sections: A preset name ('grpo': the prompt through the chat template, ending with the
+                assistant header) or a list of Sections; None = the preset matching the rows.
+            split: Split of a hub dataset or saved DatasetDict to train on.
+            val_split: Split to validate on; None = hold out `val_fraction` of the rows instead.
+            val_fraction: Share of rows held out for validation (by a seeded hash of the row index).
+            max_prompt_len: Longest prompt in tokens.
+            truncation: A longer prompt: 'left' keeps its tail (the question and the assistant header), 'drop'
+                drops the row. Counts are logged.
+            on_bad_row: 'error' (stop, naming the file, line and field) or 'skip' (drop the row, counted in the log).
+            batch_size: Prompts per batch.
+            num_proc: Processes for encoding (`Dataset.map`).
+            num_workers: DataLoader worker processes.
+            cache_dir: Where datasets are cached (default ~/.cache/astrai_pl or $ASTRAI_CACHE).
+            seed: Seed of the held-out split, the synthetic rows and the shuffle.
+            synthetic: The arithmetic task used when path is None.
+        """
+        if truncation not in PROMPT_TRUNCATIONS:
+            raise ValueError(
+                f"GRPOData.truncation={truncation!r}; use one of {PROMPT_TRUNCATIONS} (the end of "
+                "a prompt holds the assistant header the policy continues from)"
+            )
+        if max_prompt_len < 1:
+            raise ValueError(f"GRPOData.max_prompt_len={max_prompt_len}; must be >= 1")
+        super().__init__(
+            path,
+            tokenizer,
+            sections,
+            split,
+            val_split,
+            val_fraction,
+            on_bad_row,
+            batch_size,
+            num_proc,
+            num_workers,
+            cache_dir,
+            seed,
+            synthetic,
+        )
+
+    def _build(self, splits: dict[str, Encoded]) -> None:
+        self.train_set, self.val_set = (self._fit(splits[name]) for name in ("train", "val"))
+        first = self.train_set[0]
+        extra = {k: v for k, v in first.items() if k not in ("prompt_ids", "prompt")}
+        announce(
+            "GRPOData: a training prompt (the policy continues after it) and its columns:",
+            f"{self.tokenizer.decode(first['prompt_ids'])}\n{extra}",
+        )
+
+    def _fit(self, encoded: Encoded) -> Dataset:
+        """Prompts cut to max_prompt_len from the left, or dropped ('drop')."""
+        limit, rows = self.hparams.max_prompt_len, encoded.rows
+        long = np.flatnonzero(row_lengths(rows, "prompt_ids") > limit)
+        if not len(long):
+            return rows
+        what = "dropped" if self.hparams.truncation == "drop" else "cut from the left"
+        announce(f"GRPOData {encoded.name}: {len(long)} prompt(s) longer than max_prompt_len={limit} {what}")
+        if self.hparams.truncation == "drop":
+            return rows.select(np.setdiff1d(np.arange(len(rows)), long))
+        return rows.map(_cut_left, batched=True, fn_kwargs={"max_len": limit}, desc="cutting long prompts")
+
+    def _loader(self, dataset: Dataset, **kwargs) -> DataLoader:
+        return DataLoader(
+            dataset.with_format(None),
+            batch_size=self.hparams.batch_size,
+            collate_fn=partial(collate_prompts, tokenizer=self.tokenizer),
+            num_workers=self.hparams.num_workers,
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(
+            self.train_set, sampler=train_sampler(self.train_set, self.hparams.seed, self.trainer)
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set)
+
+    test_dataloader = val_dataloader

@@ -1,0 +1,238 @@
+"""Direct Preference Optimization (Rafailov et al., 2023): learn from pairs, no reward model, no sampling.
+
+The loss (`losses.dpo_loss`) compares how much more likely the policy makes the chosen response than
+the rejected one, against the same margin under a frozen reference policy — the policy as training
+found it. The reference comes in one of two forms:
+
+- live (default): a frozen copy of the initial policy, in eval mode, whose parameters never require a
+  gradient. It is held outside the module tree, so it is not in `state_dict()`, `parameters()`, the
+  optimizer or the checkpoint (checkpoints stay the policy's size); it follows the policy's device and
+  dtype on first use. A resumed run rebuilds it from `init_from` (or from the seeded initialisation) when
+  the objective is constructed, and a fingerprint of its weights in the checkpoint stops the resume
+  with an error if those weights are no longer the same. Costs a second model in memory, unsharded.
+- precompute_ref_log_probs: the policy scores every pair of the train and val splits once, before the
+  first step (`on_fit_start`), and no second model is kept. The table, keyed by each batch's
+  `row_index`, is saved in checkpoints so a resumed run uses the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from ..callbacks.checkpoint import CheckpointError
+from ..model import ModelConfig
+from ..model.config import ConfigError
+from ..parallel import ActivationCheckpointing
+from .base import Objective, frozen_copy
+from .logprobs import IGNORE_INDEX, sequence_logprobs, token_logprobs
+from .losses import DPO_LOSS_TYPES, dpo_loss
+
+SIDES = ("chosen", "rejected")
+TABLE_OF_STAGE = {"train": "train", "val": "val", "test": "val"}  # which precomputed table a stage reads
+
+
+def check_dpo_options(beta: float, loss_type: str, label_smoothing: float, rpo_alpha: float | None) -> None:
+    """ConfigError naming the field, the value and the fix, for options `dpo_loss` cannot take."""
+    if not beta > 0:
+        raise ConfigError(f"DPO.beta={beta}: must be > 0 (the inverse temperature of the implicit reward; "
+                          "smaller keeps the policy nearer the reference); TRL's default is 0.1")
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ConfigError(f"DPO.loss_type={loss_type!r}: unknown; use one of {', '.join(DPO_LOSS_TYPES)}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ConfigError(f"DPO.label_smoothing={label_smoothing}: must lie in [0, 0.5) (the probability "
+                          "that a pair's labels are flipped)")
+    if label_smoothing and loss_type in ("ipo", "hinge"):
+        raise ConfigError(f"DPO.label_smoothing={label_smoothing} with loss_type={loss_type!r}: only "
+                          "'sigmoid' and 'robust' use it; set it to 0.0")
+    if rpo_alpha is not None and not rpo_alpha >= 0:
+        raise ConfigError(f"DPO.rpo_alpha={rpo_alpha}: must be >= 0 (the weight of the chosen responses' "
+                          "negative log-likelihood), or null for none")
+
+
+def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed response log-probabilities of the chosen and the rejected sides, in one forward.  (B,), (B,)"""
+    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])  # (2B, T)
+    labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])  # (2B, T)
+    chosen, rejected = sequence_logprobs(token_logprobs(model, ids, labels)).chunk(2)  # (B,) each
+    return chosen, rejected
+
+
+def response_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scored tokens of each response (labels are unshifted: position 0 is never a target).  (B,), (B,)"""
+    return tuple((batch[f"{side}_labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1) for side in SIDES)
+
+
+@torch.no_grad()
+def reference_table(model: nn.Module, loader: Any, device: torch.device) -> torch.Tensor:
+    """(chosen, rejected) summed log-probabilities of every row of `loader`, at its `row_index`.  (N, 2)"""
+    was_training = model.training
+    model.eval()
+    try:
+        table = torch.full((len(loader.dataset), 2), math.nan)
+        for batch in loader:
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            table[batch["row_index"].cpu()] = torch.stack(pair_logps(model, batch), dim=1).float().cpu()
+    finally:
+        model.train(was_training)
+    assert not table.isnan().any(), "the loader did not cover every row index"
+    return table
+
+
+def weights_fingerprint(model: nn.Module, samples: int = 65_536) -> float:
+    """Σ_i (i + 1) · Σ |sample of tensor i|, in float64: a number that moves when the weights are others."""
+    total = 0.0
+    for i, p in enumerate(model.parameters()):
+        flat = p.detach().reshape(-1)
+        total += (i + 1) * float(flat[:: max(1, flat.numel() // samples)].double().abs().sum())
+    return total
+
+
+class DPO(Objective):
+    """L = mean over pairs of −log σ(β · ((πc − πr) − (rc − rr)))  (loss_type 'sigmoid'; see `dpo_loss`).
+
+    π·/r· are the summed log-probabilities of the chosen (c) and rejected (r) responses under the policy
+    and the frozen reference; prompts and padding are never scored. Both sides of every pair go through
+    the model as one (2B, T) batch. The per-pair mean is exact under gradient accumulation (DPOData
+    tags batches with `window_pairs`). Metrics, with TRL's names, under train/ and val/: rewards/chosen,
+    rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
+    """
+
+    def __init__(
+        self,
+        arch: ModelConfig | None = None,
+        init_from: str | None = None,
+        tokenizer: Any = None,
+        optimizer: OptimizerCallable | None = None,
+        scheduler: LRSchedulerCallable | None = None,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        precompute_ref_log_probs: bool = False,
+        rpo_alpha: float | None = None,
+        activation_checkpointing: ActivationCheckpointing = "none",
+        compile: bool = False,
+    ):
+        """
+        Args:
+            arch: Shape of a freshly initialised model (ignored when init_from is set).
+            init_from: Start from these weights: the SFT run's last.ckpt (any of our checkpoints) or a
+                Hugging Face directory. The reference policy is a frozen copy of them.
+            tokenizer: Set from the data module; used by export callbacks and sample generation.
+            optimizer: Optimizer class and arguments (default AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1;
+                DPO usually wants a far smaller lr, e.g. 5e-7 to 5e-6 on large models).
+            scheduler: Learning-rate schedule stepped per optimizer step (e.g. WarmupCosine).
+            beta: β, the inverse temperature of the implicit reward β·log(π/π_ref): larger trusts the pairs
+                more, smaller keeps the policy nearer the reference (TRL default 0.1).
+            loss_type: 'sigmoid' (DPO), 'robust' (rDPO), 'ipo' (IPO, on mean token log-probabilities) or
+                'hinge' (SLiC-HF).
+            label_smoothing: ε, the assumed probability that a pair's labels are flipped (cDPO for 'sigmoid',
+                rDPO for 'robust'); 0 = trust every pair.
+            precompute_ref_log_probs: Score every pair under the initial policy once before training and keep
+                no reference model (half the weights in memory, one extra pass over the data) instead of a
+                live frozen copy. Needs a data module with `indexed_loaders()` (DPOData).
+            rpo_alpha: α of RPO (Pang et al., 2024): add α · the chosen responses' token-mean negative
+                log-likelihood to the loss, which keeps the chosen likelihood from falling; null = plain DPO.
+            activation_checkpointing: "none", "full" or "selective" recomputation in the backward pass.
+            compile: torch.compile each block of the policy.
+        """
+        check_dpo_options(beta, loss_type, label_smoothing, rpo_alpha)
+        super().__init__(arch, init_from, tokenizer, optimizer, scheduler, activation_checkpointing, compile)
+        self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
+        self.rpo_alpha = rpo_alpha
+        self.save_hyperparameters(ignore=["tokenizer", "optimizer", "scheduler"])
+        reference = None if precompute_ref_log_probs else frozen_copy(self.model)
+        # In __dict__, not a submodule: outside state_dict(), parameters(), the optimizer and checkpoints.
+        self.__dict__["reference"] = reference
+        self.reference_fingerprint = None if reference is None else weights_fingerprint(reference)
+        self.reference_logps: dict[str, torch.Tensor] | None = None  # split -> (N, 2), when precomputed
+
+    # -- the reference ------------------------------------------------------------------------------------
+    def _reference_pair_logps(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, ...]:
+        if self.reference is not None:
+            self._place_reference()
+            with torch.no_grad():
+                return pair_logps(self.reference, batch)
+        if self.reference_logps is None or "row_index" not in batch:
+            raise ConfigError("DPO.precompute_ref_log_probs=True needs its table filled before the first "
+                              "step and batches with 'row_index': pass DPOData as the datamodule of fit, "
+                              "validate or test")
+        rows = self.reference_logps[TABLE_OF_STAGE[stage]][batch["row_index"].cpu()]  # (B, 2)
+        rows = rows.to(batch["chosen_input_ids"].device)
+        return rows[:, 0], rows[:, 1]
+
+    def _place_reference(self) -> None:
+        """The reference on the policy's device and in its dtype (Lightning moves only the module tree)."""
+        policy, ref = next(self.model.parameters()), next(self.reference.parameters())
+        if (ref.device, ref.dtype) != (policy.device, policy.dtype):
+            self.reference.to(device=policy.device, dtype=policy.dtype)
+
+    def _precompute(self) -> None:
+        if self.reference is not None or self.reference_logps is not None:
+            return
+        datamodule = self.trainer.datamodule
+        if not hasattr(datamodule, "indexed_loaders"):
+            raise ConfigError("DPO.precompute_ref_log_probs=True needs a data module with indexed_loaders() "
+                              f"(DPOData), got {type(datamodule).__name__}; pass datamodule=DPOData(…) or "
+                              "set precompute_ref_log_probs to false")
+        with self.trainer.precision_plugin.forward_context():
+            self.reference_logps = {split: reference_table(self.model, loader, self.device)
+                                    for split, loader in datamodule.indexed_loaders().items()}
+        sizes = ", ".join(f"{len(t)} {split}" for split, t in self.reference_logps.items())
+        rank_zero_info(f"DPO: reference log-probabilities precomputed for {sizes} pairs")
+
+    def on_fit_start(self) -> None:
+        self._precompute()
+
+    def on_validation_start(self) -> None:
+        self._precompute()
+
+    def on_test_start(self) -> None:
+        self._precompute()
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self.reference_logps is not None:
+            checkpoint["reference_logps"] = self.reference_logps
+        if self.reference_fingerprint is not None:
+            checkpoint["reference_fingerprint"] = self.reference_fingerprint
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.reference is None:
+            if "reference_logps" not in checkpoint:
+                raise CheckpointError("this checkpoint holds no precomputed reference log-probabilities (it "
+                                      "was trained with a live reference); resume it with "
+                                      "precompute_ref_log_probs false")
+            self.reference_logps = checkpoint["reference_logps"]
+            return
+        saved = checkpoint.get("reference_fingerprint")
+        if saved is not None and not math.isclose(saved, self.reference_fingerprint, rel_tol=1e-9):
+            raise CheckpointError(
+                f"the reference rebuilt from init_from={self.hparams.init_from!r} is not the one this run "
+                f"trained against (weights fingerprint {self.reference_fingerprint:.9g}, saved {saved:.9g}); "
+                "restore the original init_from weights, or start a new run")
+
+    def _log_eval_loss(self, stage: str) -> None:
+        self.log(f"{stage}/loss", self.val_loss.compute(), prog_bar=True)  # a per-pair loss: no perplexity
+
+    # -- the step -----------------------------------------------------------------------------------------
+    def _shared_step(self, batch: dict[str, torch.Tensor], stage: str):
+        policy = pair_logps(self.model, batch)
+        reference = self._reference_pair_logps(batch, stage)
+        lengths = response_lengths(batch)
+        nll = -policy[0].sum() / lengths[0].sum()  # token mean over the chosen responses
+        if self.loss_type == "ipo":  # IPO scores a response by its mean token log-probability
+            policy, reference = ([lp / n for lp, n in zip(side, lengths)] for side in (policy, reference))
+        loss, metrics = dpo_loss(*policy, *reference, beta=self.beta, loss_type=self.loss_type,
+                                 label_smoothing=self.label_smoothing)
+        if self.rpo_alpha is not None:
+            loss = loss + self.rpo_alpha * nll
+            metrics["nll_loss"] = nll.detach()
+        pairs = torch.tensor(policy[0].numel(), device=loss.device)
+        return loss * pairs / self.accumulation_scale(batch, pairs, key="window_pairs"), metrics
