@@ -128,6 +128,14 @@ def _check_messages(messages: Any) -> str | None:
     return None
 
 
+def chat_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    """`messages` through the chat template with its generation prompt, starting with BOS exactly once when
+    the tokenizer has one: the ids a model fine-tuned here saw before each answer (see data/preprocess.py)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    bos = tokenizer.bos_token_id
+    return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+
+
 def prompt_ids(row: Any, tokenizer: Tokenizer, chat_template: bool, add_special_tokens: bool) -> list[int]:
     """The token ids of one input row: {"prompt": str} or {"messages": [...]} (raises ValueError saying why)."""
     if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
@@ -135,11 +143,11 @@ def prompt_ids(row: Any, tokenizer: Tokenizer, chat_template: bool, add_special_
     if "messages" in row:
         if (why := _check_messages(row["messages"])) is not None:
             raise ValueError(why)
-        return tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True)
+        return chat_ids(tokenizer, row["messages"])
     if not isinstance(row["prompt"], str):
         raise ValueError(f"'prompt' must be a string, got {type(row['prompt']).__name__}")
     if chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True)
+        return chat_ids(tokenizer, [{"role": "user", "content": row["prompt"]}])
     return tokenizer.encode(row["prompt"], add_special_tokens=add_special_tokens)
 
 
@@ -256,7 +264,7 @@ class Conversation:
     def reply(self, text: str) -> Iterator[str]:
         """Stream the answer to the user's `text`; the turn joins the conversation once the answer ends."""
         turn = [*self.messages, {"role": "user", "content": text}]
-        ids = self.tokenizer.apply_chat_template(turn, add_generation_prompt=True)
+        ids = chat_ids(self.tokenizer, turn)
         held = self.session.tokens
         if ids[:len(held)] != held:
             self.session.close()

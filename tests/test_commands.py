@@ -7,9 +7,10 @@ import re
 import pytest
 import torch
 
-from astrai_pl.commands import Conversation, chat_verb, generate_verb
+from astrai_pl.commands import Conversation, chat_ids, chat_verb, generate_verb, prompt_ids
 from astrai_pl.inference import Engine, SamplingParams
 from astrai_pl.model import ModelConfig, Transformer
+from astrai_pl.objectives.evaluation import chat_prompts
 from astrai_pl.tokenizer import BYTE_OFFSET, Tokenizer
 
 GREEDY = ["--temperature", "0", "--max-tokens", "8"]
@@ -48,6 +49,20 @@ def engine(model_dir, tokenizer):
     return Engine(Transformer.from_pretrained(model_dir).eval(), tokenizer, max_total_tokens=4096, debug=True)
 
 
+def templated(tokenizer, messages):
+    """BOS, then the chat template with its generation prompt: how fine-tuning rows begin."""
+    return [tokenizer.bos_token_id, *tokenizer.apply_chat_template(messages, add_generation_prompt=True)]
+
+
+def test_templated_prompts_match_the_prompts_of_fine_tuning_rows(tokenizer):
+    question = "What is 3 + 4?"
+    [trained] = chat_prompts([question], tokenizer)
+    user = [{"role": "user", "content": question}]
+    assert prompt_ids({"messages": user}, tokenizer, False, False) == trained
+    assert prompt_ids({"prompt": question}, tokenizer, True, False) == trained
+    assert chat_ids(tokenizer, user) == templated(tokenizer, user)
+
+
 def greedy(engine, prompt, max_tokens=8):
     [out] = engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
     return out
@@ -76,16 +91,16 @@ def test_generate_jsonl_keeps_fields_and_applies_the_chat_template(model_dir, en
     src.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n")  # a blank line is skipped
     generate_verb(["--model", str(model_dir), "--input", str(src), "--output", str(dst), *GREEDY])
     out = [json.loads(line) for line in dst.read_text().splitlines()]
-    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    for row, got, ref in zip(rows, out, [greedy(engine, "The cat"), greedy(engine, chat_ids)]):
+    prompt = templated(tokenizer, messages)
+    for row, got, ref in zip(rows, out, [greedy(engine, "The cat"), greedy(engine, prompt)]):
         assert got == {**row, "completion": ref.text, "finish_reason": ref.finish_reason, "token_ids": ref.token_ids}
     assert len(out) == 2 and not list(tmp_path.glob(".*partial"))  # written atomically, nothing left behind
 
-    templated = tmp_path / "templated.jsonl"
-    generate_verb(["--model", str(model_dir), "--input", str(src), "--output", str(templated), "--chat-template",
+    with_template = tmp_path / "templated.jsonl"
+    generate_verb(["--model", str(model_dir), "--input", str(src), "--output", str(with_template), "--chat-template",
                    *GREEDY])
-    first = json.loads(templated.read_text().splitlines()[0])
-    user = tokenizer.apply_chat_template([{"role": "user", "content": "The cat"}], add_generation_prompt=True)
+    first = json.loads(with_template.read_text().splitlines()[0])
+    user = templated(tokenizer, [{"role": "user", "content": "The cat"}])
     assert first["token_ids"] == greedy(engine, user).token_ids
 
 
@@ -141,9 +156,9 @@ def test_chat_second_reply_equals_one_shot_over_the_templated_conversation(model
               stdin=io.StringIO("Hello there\n\nHow are you?\n/exit\nnever read\n"), stdout=stdout)
     first, second = stdout.getvalue().split("\n")[:2]
     conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-    assert first == greedy(engine, tokenizer.apply_chat_template(conversation, add_generation_prompt=True)).text
+    assert first == greedy(engine, templated(tokenizer, conversation)).text
     conversation += [{"role": "assistant", "content": first}, {"role": "user", "content": "How are you?"}]
-    whole = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    whole = templated(tokenizer, conversation)
     assert second == greedy(engine, whole).text
     assert stdout.getvalue() == f"{first}\n{second}\n"  # /exit stopped the loop
 
@@ -157,7 +172,7 @@ def test_a_conversation_computes_only_each_new_turn(engine, tokenizer):
     computed = engine.stats.prefill_tokens - before
     history = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
                {"role": "user", "content": "How are you?"}]
-    whole = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+    whole = templated(tokenizer, history)
     assert second == greedy(engine, whole).text
     # only the new turn and the last reply token (whose K/V did not exist yet) were computed
     assert computed == len(whole) - held + 1
