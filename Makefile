@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint setup cuda-check
+.PHONY: demo test lint setup cuda-check bench
 
 setup: $(STAMP)
 
@@ -34,3 +34,17 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check astrai_pl tests benchmarks
+
+# Every ratio against the peers, in one run (benchmarks/run_all.py; BENCH_ARGS=--write-docs also writes
+# the table into docs/benchmarks.md). The peers come from the `bench` extra; litgpt pins huggingface-hub
+# and jsonargparse below ours, so it is installed without dependencies into a folder of its own.
+BENCH_STAMP := $(VENV)/.bench-installed
+LITGPT      := litgpt==0.5.13
+
+$(BENCH_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/peers $(LITGPT)
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)

@@ -3,24 +3,30 @@
 A ~30M-parameter Llama shape (the `small` preset: hidden 512, 8 layers, 8 query / 2 key-value heads,
 vocab 8192), float32, 2 threads. 16 prompts of 16…200 tokens, 64 new tokens each, greedy, end-of-sequence
 ignored. The engine takes all 16 at once (continuous batching, paged KV cache); transformers runs
-padded batches of 8 with left padding. Both are warmed up, then run alternately `--repeats` times; the
-best run of each counts. Also counts prefill tokens of a shared-prefix workload with the radix cache off
+padded batches of 8 with left padding. Both are warmed up on a short job, then run alternately
+`--repeats` times; the ratio is the median of the per-run ratios (harness.py).
+
+The shared-prefix workload: 16 requests that share a 512-token prefix (a long system prompt) and differ
+in their last 16 tokens, 16 new tokens each. The engine computes the prefix once (radix cache);
+transformers runs padded batches of 8. Also counts the engine's prefill tokens with the radix cache off
 and on.
 
-    taskset -c 0,1 .venv/bin/python benchmarks/bench_decode.py
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_decode.py
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import tempfile
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from astrai_pl.inference import Engine, SamplingParams
-from astrai_pl.model import ModelConfig, Transformer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Row, command_line, duel, emit, hf_copy, row_from, save, setup, small_model  # noqa: E402
+
+from astrai_pl.inference import Engine, SamplingParams  # noqa: E402
 
 
 def make_prompts(count: int, shortest: int, longest: int, vocab: int, seed: int) -> list[list[int]]:
@@ -60,9 +66,12 @@ def run_transformers(hf, prompts, new_tokens: int, batch: int) -> tuple[float, l
     return time.perf_counter() - start, outs
 
 
-def shared_prefix_prefill(model, requests: int, prefix: int, suffix: int) -> dict[bool, int]:
-    system = make_prompts(1, prefix, prefix, model.config.vocab_size, seed=1)[0]
-    prompts = [system + q for q in make_prompts(requests, suffix, suffix, model.config.vocab_size, seed=2)]
+def shared_prefix_prompts(vocab: int, requests: int, prefix: int, suffix: int) -> list[list[int]]:
+    system = make_prompts(1, prefix, prefix, vocab, seed=1)[0]
+    return [system + q for q in make_prompts(requests, suffix, suffix, vocab, seed=2)]
+
+
+def shared_prefix_prefill(model, prompts) -> dict[bool, int]:
     counts = {}
     for prefix_cache in (False, True):
         engine = Engine(model, page_size=16, prefix_cache=prefix_cache)
@@ -71,59 +80,61 @@ def shared_prefix_prefill(model, requests: int, prefix: int, suffix: int) -> dic
     return counts
 
 
+def compare(engine, hf, prompts, new_tokens: int, hf_batch: int, repeats: int, budget_s: float):
+    """Interleaved runs of both; the duel, and how many prompts got identical greedy outputs."""
+    outs = {}
+
+    def ours():
+        outs["ours"] = run_engine(engine, prompts, new_tokens)[1]
+
+    def theirs():
+        outs["peer"] = run_transformers(hf, prompts, new_tokens, hf_batch)[1]
+
+    run_engine(engine, prompts[:2], 4)  # warm-up, both sides, on a short job
+    run_transformers(hf, prompts[:2], 4, hf_batch)
+    result = duel(ours, theirs, repeats, warmup=0, budget_s=budget_s)
+    return result, sum(a == b for a, b in zip(outs["ours"], outs["peer"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="alternate runs of each; the best counts")
+    parser.add_argument("--repeats", type=int, default=5, help="alternate runs of each; the median ratio counts")
+    parser.add_argument("--budget", type=float, default=90, help="seconds per workload after which no new "
+                        "round starts (at least 3 rounds)")
+    parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-
-    from transformers import AutoModelForCausalLM
-
-    model = Transformer(ModelConfig.from_name("small")).eval()
-    with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder)
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
+    setup(args.threads)
+    model = small_model().eval()
+    hf = hf_copy(model)
+    command = command_line()
     prompts = make_prompts(args.prompts, 16, 200, model.config.vocab_size, seed=0)
     total = args.prompts * args.new_tokens
     print(
         f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, float32, "
         f"{torch.get_num_threads()} threads; {args.prompts} prompts of 16-200 tokens, {args.new_tokens} new each"
     )
-
     engine = Engine(model, page_size=16)
-    engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up, both sides
-    run_transformers(hf, prompts[:2], 4, args.hf_batch)
-    ours_runs, theirs_runs = [], []
-    for _ in range(args.repeats):  # alternated, so a burst of load elsewhere hits both
-        ours_s, ours = run_engine(engine, prompts, args.new_tokens)
-        theirs_s, theirs = run_transformers(hf, prompts, args.new_tokens, args.hf_batch)
-        ours_runs.append(ours_s)
-        theirs_runs.append(theirs_s)
-    ours_s, theirs_s = min(ours_runs), min(theirs_runs)
-    same = sum(a == b for a, b in zip(ours, theirs))
-    runs = f"best of {args.repeats}"
-    print(
-        f"engine        {total / ours_s:8.1f} tokens/s  ({ours_s:.2f} s {runs}, all prompts continuously batched)"
-    )
-    print(
-        f"transformers  {total / theirs_s:8.1f} tokens/s  ({theirs_s:.2f} s {runs}, padded batches of {args.hf_batch})"
-    )
-    print(
-        f"ratio         {theirs_s / ours_s:8.2f}x  (greedy outputs identical for {same}/{len(prompts)} prompts)"
-    )
+    result, same = compare(engine, hf, prompts, args.new_tokens, args.hf_batch, args.repeats, args.budget)
+    rows = [row_from(result, f"decode, {args.prompts} prompts x {args.new_tokens} tokens, greedy",
+                     f"transformers generate (batches of {args.hf_batch})", total, "tokens/s", command, 1.5)]
+    rows[-1].detail += f"; greedy outputs identical for {same}/{len(prompts)}"
+    emit(rows[-1:])
 
-    counts = shared_prefix_prefill(model, requests=16, prefix=512, suffix=16)
-    print(
-        f"shared prefix (16 requests, 512-token prefix + 16): prefill tokens {counts[False]} without the "
-        f"radix cache, {counts[True]} with it ({counts[False] / counts[True]:.1f}x fewer)"
-    )
+    shared = shared_prefix_prompts(model.config.vocab_size, requests=16, prefix=512, suffix=16)
+    result, same = compare(engine, hf, shared, 16, args.hf_batch, args.repeats, args.budget / 2)
+    rows.append(row_from(result, "shared prefix, 16 x (512 shared + 16) tokens, 16 new",
+                         f"transformers generate (batches of {args.hf_batch})", 16 * 16, "tokens/s", command))
+    counts = shared_prefix_prefill(model, shared)
+    rows[-1].detail += (f"; prefill tokens {counts[False]} without the radix cache, {counts[True]} with it; "
+                        f"greedy outputs identical for {same}/{len(shared)}")
+    rows.append(Row("shared prefix: prefill tokens computed", "engine without the radix cache",
+                    counts[False] / counts[True], None, f"{counts[False]} vs {counts[True]} tokens", command))
+    emit(rows[-2:])
+    save(rows, args.json)
 
 
 if __name__ == "__main__":

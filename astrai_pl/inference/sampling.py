@@ -2,9 +2,11 @@
 
 Order of operations on a row of logits (as in Hugging Face's logits processors):
     repetition penalty → frequency / presence penalties → temperature → top-k → top-p → min-p → draw.
-A draw picks argmax(p / e) with e ~ Exp(1) per token, which samples exactly from p (the exponential race,
-a form of the Gumbel-max trick); tokens outside the kept set have p = 0 and can never win. A request with
-a seed draws e from its own generator, so its tokens do not depend on what else is in the batch.
+A draw inverts the cumulative distribution: with C_i = p_0 + … + p_i (summed in float64) and one
+u ~ U[0, C_last), it picks the first token with C_i > u, which samples exactly from p with a single
+random number per row; tokens outside the kept set have p = 0, add nothing to C and can never be
+picked. A request with a seed draws u from its own generator, so its tokens do not depend on what else
+is in the batch.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-
-_TINY = 1e-20
 
 
 class SamplingParamsError(ValueError):
@@ -141,16 +141,17 @@ def sample(
     """The next token of every row, and the raw log-probabilities of the chosen tokens if any row asks."""
     want_logprobs = any(p.logprobs for p in params)
     raw = logits
-    if all(p.greedy and not p.penalised for p in params):
-        tokens = logits.argmax(dim=-1)
-    else:
+    if any(p.penalised for p in params):
         logits = logits.clone()
         for i, p in enumerate(params):
             if p.penalised:
                 ctx = torch.tensor(contexts[i], dtype=torch.int64, device=logits.device)
                 apply_penalties(logits[i], p, ctx, ctx[len(ctx) - num_outputs[i] :])
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if len(drawn) == len(params):  # every row samples: no argmax to overwrite
+        tokens = _draw(logits, params, generators)
+    else:
         tokens = logits.argmax(dim=-1)
-        drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
             tokens[drawn] = _draw(logits[drawn], [params[i] for i in drawn], [generators[i] for i in drawn])
     token_list = tokens.tolist()
@@ -166,8 +167,8 @@ def _draw(
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    logits = logits / temperature[:, None]
+    if any(p.temperature != 1 for p in params):
+        logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
     if any(p.truncated for p in params):
         logits = mask_top_k_top_p_min_p(
             logits,
@@ -175,12 +176,14 @@ def _draw(
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
         )
-    probs = logits.softmax(dim=-1)
-    noise = torch.empty_like(probs)
+    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)  # (M, V); exact zeros outside the kept set
+    u = torch.empty(len(params), 1, dtype=torch.float64, device=device)
     shared = [i for i, g in enumerate(generators) if g is None]
     if shared:
-        noise[shared] = torch.empty(len(shared), probs.shape[1], device=device).exponential_()
+        u[shared] = torch.rand(len(shared), 1, dtype=torch.float64, device=device)
     for i, g in enumerate(generators):
         if g is not None:
-            noise[i].exponential_(generator=g)
-    return (probs / noise.clamp_min(_TINY)).argmax(dim=-1)
+            u[i] = torch.rand(1, dtype=torch.float64, device=device, generator=g)
+    total = cdf[:, -1:]
+    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # u < C_last, always
+    return torch.searchsorted(cdf, u, right=True)[:, 0]

@@ -61,7 +61,8 @@ class _Group:
     dst: torch.Tensor | None  # (valid,) where those rows go in the step's output
     width: int  # E
     mirror: DecodeMirror | None = None  # decode group read from dense copies instead of the pool
-    new_pos: torch.Tensor | None = None  # (n,) where this step's token goes in the mirror
+    new_rows: torch.Tensor | None = None  # (n·Hkv,) rows of a mirror layer seen as (n·Hkv·capacity, D) where
+    # this step's K/V go: one index_copy_ per layer instead of an advanced-index store
 
 
 class TorchBackend:
@@ -87,7 +88,10 @@ class TorchBackend:
         width = max(kv_lens) if mirror is not None else -(-max(kv_lens) // unit) * unit
         mask = (torch.arange(width, device=lens.device) < lens[:, None])[:, None, None, :]
         if mirror is not None:
-            return _Group(None, mask, None, None, None, 1, mirror=mirror, new_pos=lens - 1)
+            _, _, Hkv, capacity, _ = mirror.k.shape
+            heads = torch.arange(nd, device=lens.device)[:, None] * Hkv + torch.arange(Hkv, device=lens.device)
+            new_rows = (heads * capacity + (lens - 1)[:, None]).reshape(-1)
+            return _Group(None, mask, None, None, None, 1, mirror=mirror, new_rows=new_rows)
         return _Group(_gather_index(view, view.rows[:nd], width, unit), mask, None, None, None, 1)
 
     def _extend_group(self, view: StepView, members: list[int], group_size: int, unit: int) -> _Group:
@@ -137,11 +141,10 @@ def _context(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V (n, Hkv, C, D) of a group's requests: from the mirror, or gathered from the pool."""
     if g.mirror is not None:
-        n, width = g.new_pos.shape[0], g.mask.shape[-1]
-        rows = torch.arange(n, device=g.new_pos.device)
-        k, v = g.mirror.k[layer], g.mirror.v[layer]
-        k[rows, :, g.new_pos] = k_new[:n]
-        v[rows, :, g.new_pos] = v_new[:n]
+        k, v = g.mirror.k[layer], g.mirror.v[layer]  # (n, Hkv, capacity, D), contiguous
+        n, D, width = k.shape[0], k.shape[-1], g.mask.shape[-1]
+        k.view(-1, D).index_copy_(0, g.new_rows, k_new[:n].reshape(-1, D))
+        v.view(-1, D).index_copy_(0, g.new_rows, v_new[:n].reshape(-1, D))
         return k[:, :, :width], v[:, :, :width]
     Hkv, D = view.storage.k.shape[2:]
     n = g.kv_index.shape[0]

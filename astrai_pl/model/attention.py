@@ -32,7 +32,8 @@ class AttentionMask:
 
     @classmethod
     def build(cls, document_ids: torch.Tensor | None, seq_len: int) -> AttentionMask:
-        if document_ids is None:
+        # One document per row is plain causal: no (B, T, T) mask, and SDPA takes its causal kernel.
+        if document_ids is None or bool((document_ids == document_ids[:, :1]).all()):
             return cls(None)
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
         same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
