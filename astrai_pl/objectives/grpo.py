@@ -4,6 +4,7 @@ being trained, scored by reward functions, with group-relative advantages and a 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ..inference import Engine, SamplingParams
 from ..model import ModelConfig
+from ..parallel import ActivationCheckpointing
 from .base import Objective, frozen_copy
 from .logprobs import token_logprobs
 from .losses import ADVANTAGE_SCALES, GRPO_LOSS_TYPES, group_advantages, grpo_loss
@@ -64,6 +66,8 @@ class GRPO(Objective):
         zero_std_patience: int = 3,
         engine_page_size: int = 16,
         engine_max_total_tokens: int | None = None,
+        activation_checkpointing: ActivationCheckpointing = "none",
+        compile: bool = False,
     ):
         """
         Args:
@@ -94,6 +98,9 @@ class GRPO(Objective):
                 (frac_reward_zero_std = 1: all advantages are 0 and nothing is learned).
             engine_page_size: Tokens per KV page of the rollout engine.
             engine_max_total_tokens: KV pool of the rollout engine in tokens; None = room for a whole rollout batch.
+            activation_checkpointing: "none", "full" or "selective" recomputation in the backward pass of the
+                training forward (rollouts run without gradients and are unaffected).
+            compile: torch.compile each block of the policy (rollouts run the same compiled blocks).
         """
         _require(group_size >= 2, "group_size", group_size, "must be >= 2: advantages compare a completion "
                  "with its siblings; use the seed's 4")
@@ -110,8 +117,9 @@ class GRPO(Objective):
         _require(zero_std_patience >= 1, "zero_std_patience", zero_std_patience, "must be >= 1")
         _require(engine_page_size >= 1, "engine_page_size", engine_page_size, "must be >= 1")
         specs: list[RewardSpec | Callable] = list(DEFAULT_REWARDS if reward_funcs is None else reward_funcs)
-        self.reward_funcs, self.reward_weights = load_reward_funcs(specs, reward_weights)  # fails before loading weights
-        super().__init__(arch, init_from, tokenizer, optimizer, scheduler)
+        # an unknown import path fails here, before any weights are loaded
+        self.reward_funcs, self.reward_weights = load_reward_funcs(specs, reward_weights)
+        super().__init__(arch, init_from, tokenizer, optimizer, scheduler, activation_checkpointing, compile)
         self.save_hyperparameters(ignore=["tokenizer", "optimizer", "scheduler"])
         self.hparams["reward_funcs"] = [spec_name(s) for s in specs]  # plain values: checkpoints load weights_only
         self.ref_model = frozen_copy(self.model) if kl_coef > 0 else None
@@ -143,11 +151,20 @@ class GRPO(Objective):
         return self._engine
 
     @torch.no_grad()
-    def roll_out(self, batch: dict[str, list], num_micro_batches: int = 1) -> Rollout:
-        """Sample group_size completions per prompt of `batch`, score them, and pack the micro-batches."""
+    def roll_out(self, batch: dict[str, list], num_micro_batches: int = 1, seed: int | None = None) -> Rollout:
+        """Sample group_size completions per prompt of `batch`, score them, and pack the micro-batches.
+
+        With a `seed`, sample j of prompt i draws from its own generator seeded seed + i · group_size + j, so
+        two calls on the same batch use the same random numbers (a paired comparison of two policies).
+        """
+        if "prompt_ids" not in batch:
+            raise ValueError(f"GRPO expects batches of prompts with a 'prompt_ids' column (GRPOData makes them), "
+                             f"got the keys {sorted(batch)}; use data.class_path: astrai_pl.data.GRPOData")
         hp, prompt_ids = self.hparams, batch["prompt_ids"]
         params = SamplingParams(max_tokens=hp.max_completion_length, temperature=hp.temperature, top_p=hp.top_p,
                                 top_k=hp.top_k, n=hp.group_size, logprobs=True)
+        if seed is not None:
+            params = [replace(params, seed=seed + i * hp.group_size) for i in range(len(prompt_ids))]
         completions, seconds = sample(self.rollout_engine(prompt_ids), prompt_ids, params)
         per_func, total = score(self.reward_funcs, self.reward_weights,
                                 *reward_inputs(batch, completions, hp.group_size))
@@ -225,9 +242,9 @@ class GRPO(Objective):
         completions, _ = sample(self.rollout_engine(prompt_ids), prompt_ids, params)
         per_func, total = score(self.reward_funcs, self.reward_weights, *reward_inputs(batch, completions, 1))
         n = len(completions)
-        self.log(f"{stage}/reward", total.mean(), on_epoch=True, batch_size=n, prog_bar=True)
+        self.log(f"{stage}/reward", float(total.mean()), on_epoch=True, batch_size=n, prog_bar=True)
         for j, (name, _) in enumerate(self.reward_funcs):
-            self.log(f"{stage}/rewards/{name}/mean", per_func[:, j].nanmean(), on_epoch=True, batch_size=n)
+            self.log(f"{stage}/rewards/{name}/mean", float(per_func[:, j].nanmean()), on_epoch=True, batch_size=n)
 
     def _log_eval_loss(self, stage: str) -> None:
         """GRPO has no held-out loss; `_evaluate` logs held-out rewards instead."""

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..data.synthetic import exact_match
+from ..data.synthetic import exact_match, extract_answer
 
 RewardFunc = Callable[..., list]
 RewardSpec = str | dict[str, Any]
@@ -57,6 +57,19 @@ def exact_match_reward(prompts: list, completions: list, answer: list, **kwargs)
     """1.0 when the last integer of the completion equals the row's `answer`, else 0.0 (the arithmetic task).
     None for rows without an answer."""
     return [None if a is None else exact_match(completion_text(c), a) for c, a in zip(completions, answer)]
+
+
+def closeness_reward(prompts: list, completions: list, answer: list, scale: float = 10.0,
+                     **kwargs) -> list[float | None]:
+    """max(0, 1 − |x − answer| / scale) for the completion's last integer x, 0.0 without one: partial credit
+    that keeps a weak policy's groups from scoring all alike. None for rows without an answer."""
+    if scale <= 0:
+        raise ValueError(f"closeness_reward: scale={scale} must be > 0")
+    out: list[float | None] = []
+    for c, a in zip(completions, answer):
+        x = extract_answer(completion_text(c))
+        out.append(None if a is None else 0.0 if x is None else max(0.0, 1 - abs(int(x) - int(a)) / scale))
+    return out
 
 
 def format_reward(prompts: list, completions: list, **kwargs) -> list[float]:

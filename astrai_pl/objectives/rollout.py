@@ -41,7 +41,7 @@ def pool_tokens(prompt_ids: Sequence[Sequence[int]], group_size: int, max_comple
     return len(prompt_ids) * group_size * (2 * longest + max_completion_length + page_size)
 
 
-def sample(engine: Engine, prompt_ids: Sequence[Sequence[int]], params: SamplingParams
+def sample(engine: Engine, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
            ) -> tuple[list[Completion], float]:
     """`params.n` completions per prompt, grouped by prompt, and the seconds they took.
 

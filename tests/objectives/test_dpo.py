@@ -106,12 +106,25 @@ def test_ipo_scores_responses_by_their_mean_token_log_probability(tmp_path):
     torch.testing.assert_close(metrics["logps/chosen"], (chosen / tokens).mean())
 
 
+def test_rpo_alpha_adds_the_token_mean_nll_of_the_chosen_responses(tmp_path):
+    data = pairs(tmp_path)
+    data.setup()
+    batch = next(iter(data.val_dataloader()))
+    dpo = module(rpo_alpha=0.5)
+    loss, metrics = dpo._shared_step(batch, "val")
+    chosen, _ = pair_logps(dpo.model, batch)
+    nll = -chosen.sum() / (batch["chosen_labels"][:, 1:] != -100).sum()
+    torch.testing.assert_close(metrics["nll_loss"], nll.detach())
+    torch.testing.assert_close(loss, math.log(2) + 0.5 * nll)
+
+
 @pytest.mark.parametrize("options, match", [
     ({"beta": 0.0}, r"DPO\.beta=0\.0: must be > 0"),
     ({"beta": -0.1}, r"DPO\.beta=-0\.1"),
     ({"loss_type": "kto"}, r"DPO\.loss_type='kto': unknown; use one of sigmoid, robust, ipo, hinge"),
     ({"label_smoothing": 0.5}, r"DPO\.label_smoothing=0\.5: must lie in \[0, 0\.5\)"),
     ({"loss_type": "ipo", "label_smoothing": 0.1}, r"only 'sigmoid' and 'robust' use it"),
+    ({"rpo_alpha": -1.0}, r"DPO\.rpo_alpha=-1\.0: must be >= 0"),
 ])
 def test_bad_options_fail_at_construction(options, match):
     with pytest.raises(ConfigError, match=match):

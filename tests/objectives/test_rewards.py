@@ -8,6 +8,7 @@ import torch
 from astrai_pl.objectives import GRPO
 from astrai_pl.objectives.rewards import (
     RewardError,
+    closeness_reward,
     exact_match_reward,
     format_reward,
     length_penalty,
@@ -23,6 +24,12 @@ def test_exact_match_reads_the_last_integer_of_text_or_messages():
     completions = ["85", "It is 85.", "84", [{"role": "assistant", "content": "so 1,085"}], "none"]
     answers = ["85", "85", "85", "1085", None]
     assert exact_match_reward([None] * 5, completions, answer=answers) == [1.0, 1.0, 0.0, 1.0, None]
+
+
+def test_closeness_gives_partial_credit_by_distance():
+    completions = ["85", "80", "It is 90", "70", "no number"]
+    assert closeness_reward([None] * 5, completions, answer=["85"] * 5) == [1.0, 0.5, 0.5, 0.0, 0.0]
+    assert closeness_reward([None], ["-3"], answer=["-1"], scale=4.0) == [0.5]
 
 
 def test_format_reward_wants_one_integer_and_nothing_else():
