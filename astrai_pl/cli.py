@@ -5,19 +5,32 @@
     astrai-pl convert --ckpt last.ckpt --output hf_dir/
     astrai-pl generate --model hf_dir/ --prompt "What is 2 + 3?"      (or --input prompts.jsonl --output out.jsonl)
     astrai-pl chat --model hf_dir/
+    astrai-pl sweep configs/sweeps/sft-debug.yaml [--count N] [--dry-run]   (a W&B sweep, without a W&B server)
+
+Every config has a `wandb:` section; `--wandb.enabled true` logs the run to Weights & Biases (docs/tracking.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jsonargparse import set_parsing_settings
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
+from .callbacks.tracking import (
+    WandbConfig,
+    log_config,
+    tracking_callbacks,
+    wandb_logger,
+    wandb_loggers,
+    with_wandb,
+)
 from .commands import chat_verb, generate_verb
 from .data.rows import DataError
 from .objectives import Objective
+from .sweep import sweep_verb
 
 LIGHTNING_VERBS = {"fit", "validate", "test", "predict"}
 
@@ -26,19 +39,49 @@ LIGHTNING_VERBS = {"fit", "validate", "test", "predict"}
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
+class SaveConfig(SaveConfigCallback):
+    """Lightning's config.yaml in the log directory, and the same resolved config in every W&B run."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        if wandb_loggers(trainer):
+            log_config(trainer, self.parser.dump(self.config, skip_none=False))
+
+
 class AstraiCLI(LightningCLI):
-    """LightningCLI whose model is any Objective and whose data is any LightningDataModule of ours."""
+    """LightningCLI whose model is any Objective and whose data is any LightningDataModule of ours, with one
+    `wandb:` section (WandbConfig) whose `enabled` switches Weights & Biases logging on."""
 
     def add_arguments_to_parser(self, parser) -> None:
         # The tokenizer is declared once, on the data module; the objective receives the same object.
         parser.link_arguments("data.tokenizer", "model.init_args.tokenizer", apply_on="instantiate")
+        parser.add_dataclass_arguments(WandbConfig, "wandb")
+
+    def instantiate_trainer(self, **kwargs):
+        settings = self._get(self.config_init, "wandb")
+        if not settings.enabled:
+            return super().instantiate_trainer(**kwargs)
+        trainer = self._get(self.config_init, "trainer")
+        root = trainer.get("default_root_dir") or os.getcwd()
+        callbacks = trainer.get("callbacks") or []
+        kwargs["logger"] = with_wandb(trainer.get("logger"), wandb_logger(settings, root))
+        kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]),
+                               *tracking_callbacks(settings, root)]
+        return super().instantiate_trainer(**kwargs)
 
 
 def lightning_main(args: list[str] | None = None, run: bool = True) -> AstraiCLI:
-    return AstraiCLI(
-        model_class=Objective, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
-        args=args, run=run, save_config_kwargs={"overwrite": True},
-    )
+    """`astrai-pl fit|validate|test` on `args` (None: the command line); run=False builds the objective, the
+    data module and the trainer and returns them unrun (`cli.trainer.fit(cli.model, datamodule=cli.datamodule)`)."""
+    command_line = sys.argv
+    if args is not None:  # `args` replace the command line, such as a notebook kernel's own arguments
+        sys.argv = command_line[:1]
+    try:
+        return AstraiCLI(
+            model_class=Objective, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
+            args=args, run=run, save_config_callback=SaveConfig, save_config_kwargs={"overwrite": True},
+        )
+    finally:
+        sys.argv = command_line
 
 
 # -- our own verbs -----------------------------------------------------------------------------------------
@@ -85,7 +128,8 @@ def _convert_verb(argv: list[str]) -> None:
     print(f"wrote {ns.output}")
 
 
-VERBS = {"tokenizer": _tokenizer_verb, "convert": _convert_verb, "generate": generate_verb, "chat": chat_verb}
+VERBS = {"tokenizer": _tokenizer_verb, "convert": _convert_verb, "generate": generate_verb, "chat": chat_verb,
+         "sweep": sweep_verb}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,20 +1,25 @@
-"""Side concerns of a training run, as Lightning callbacks, a logger and a checkpoint plugin."""
+"""Side concerns of a training run, as Lightning callbacks, loggers and a checkpoint plugin."""
 
 from .checkpoint import AtomicCheckpointIO, CheckpointError, read_checkpoint
 from .export import HFExport
 from .metrics import JSONLLogger, NonFiniteGuard, NonFiniteLossError
 from .resume import RNGState, StopOnSignal
+from .samples import SampleGenerations
 from .throughput import Throughput
+from .tracking import ModelArtifact, WandbConfig
 
 __all__ = [
     "AtomicCheckpointIO",
     "CheckpointError",
     "HFExport",
     "JSONLLogger",
+    "ModelArtifact",
     "NonFiniteGuard",
     "NonFiniteLossError",
     "RNGState",
+    "SampleGenerations",
     "StopOnSignal",
     "Throughput",
+    "WandbConfig",
     "read_checkpoint",
 ]
