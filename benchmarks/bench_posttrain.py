@@ -21,6 +21,7 @@ import argparse
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -69,6 +70,29 @@ def random_ids(n: int, gen: torch.Generator) -> list[int]:
     return torch.randint(4, 8192, (n,), generator=gen).tolist()
 
 
+def objective_step(module, batch: Callable[[], dict]) -> Callable[[], None]:
+    """One optimizer step of our objective: collate (`batch()`), training_step, backward, AdamW, zero_grad."""
+    opt = module.configure_optimizers()
+
+    def step() -> None:
+        module.training_step(batch(), 0).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def trainer_step(trainer, rows: list[dict]) -> Callable[[], None]:
+    """One optimizer step of a TRL trainer on `rows`: its collator, training_step, optimizer, zero_grad."""
+
+    def step() -> None:
+        trainer.training_step(trainer.model, trainer.data_collator(rows))
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
 # -- SFT ------------------------------------------------------------------------------------------------
 def sft_pair(folder: str, hf, rows: int, seq_len: int, prompt: int):
     from datasets import Dataset
@@ -84,26 +108,12 @@ def sft_pair(folder: str, hf, rows: int, seq_len: int, prompt: int):
                  for i, lab in zip(ids, labels)]
     trl_rows = [dict(input_ids=i, labels=lab) for i, lab in zip(ids, labels)]
 
-    sft = SFT(init_from=folder, optimizer=adamw).train()
-    opt = sft.configure_optimizers()
-
-    def ours():
-        loss = sft.training_step(collate(ours_rows, PAD), 0)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    ours = objective_step(SFT(init_from=folder, optimizer=adamw).train(), lambda: collate(ours_rows, PAD))
     args = trl_args(SFTConfig, tempfile.mkdtemp(), dataset_kwargs={"skip_prepare_dataset": True}, max_length=None,
                     packing=False)
     trainer = ready(SFTTrainer(model=hf, args=args, train_dataset=Dataset.from_list(trl_rows),
                                processing_class=hf_tokenizer(8192)))
-
-    def theirs():
-        trainer.training_step(trainer.model, trainer.data_collator(trl_rows))
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
-
-    return ours, theirs
+    return ours, trainer_step(trainer, trl_rows)
 
 
 # -- DPO ------------------------------------------------------------------------------------------------
@@ -123,28 +133,15 @@ def dpo_pair(folder: str, hf, pairs: int, prompt: int, response: int):
                       prompt_length=prompt) for r in trl_rows]
 
     dpo = DPO(init_from=folder, optimizer=adamw, beta=0.1, loss_type="sigmoid").train()
-    opt = dpo.configure_optimizers()
     collate = partial(collate_pairs, pad_id=PAD, max_seq_len=prompt + response)
-
-    def ours():
-        loss = dpo.training_step(collate(ours_rows), 0)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    ours = objective_step(dpo, lambda: collate(ours_rows))
     reference = hf_copy(dpo.model).eval()
     args = trl_args(DPOConfig, tempfile.mkdtemp(), beta=0.1, loss_type=["sigmoid"], max_length=None)
     args.per_device_train_batch_size = pairs
     text = [{k: " ".join(map(str, r[f"{k}_ids"])) for k in ("prompt", "chosen", "rejected")} for r in trl_rows]
     trainer = ready(DPOTrainer(model=hf, ref_model=reference, args=args, train_dataset=Dataset.from_list(text),
                                processing_class=hf_tokenizer(8192)))
-
-    def theirs():
-        trainer.training_step(trainer.model, trainer.data_collator(trl_rows))
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
-
-    return ours, theirs
+    return ours, trainer_step(trainer, trl_rows)
 
 
 def main() -> None:
