@@ -25,6 +25,14 @@ WORDS = (
 ).split()
 
 
+def quiet_trainer(**overrides: Any) -> L.Trainer:
+    """A CPU Trainer that writes no logs or checkpoints and prints no bars or summaries; `overrides` add to
+    or replace those settings."""
+    settings = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+    return L.Trainer(**{**settings, **overrides})
+
+
 def write_corpus(path: Path, lines: int = 160) -> Path:
     rng = random.Random(0)
     path.write_text(

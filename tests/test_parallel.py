@@ -11,7 +11,17 @@ import sys
 import lightning as L
 import pytest
 import torch
-from fit_runs import ROOT, debug_config, final_weights, finish, free_port, launch, mean_losses, write_corpus
+from fit_runs import (
+    ROOT,
+    debug_config,
+    final_weights,
+    finish,
+    free_port,
+    launch,
+    mean_losses,
+    quiet_trainer,
+    write_corpus,
+)
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -108,16 +118,7 @@ class _Batches(L.LightningDataModule):
 
 
 def _fit_two_steps(module, **trainer_args):
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_args,
-    )
+    trainer = quiet_trainer(devices=1, max_steps=2, **trainer_args)
     trainer.fit(module, datamodule=_Batches())
     return trainer
 

@@ -1,7 +1,7 @@
 import json
 
-import lightning as L
 import torch
+from fit_runs import quiet_trainer
 
 from astrai_pl.callbacks import HFExport
 from astrai_pl.model import ModelConfig, Transformer
@@ -20,16 +20,7 @@ def test_exports_at_intervals_and_at_the_end(tmp_path):
     torch.manual_seed(0)
     module = Pretrain(arch=ModelConfig.from_name("debug"), tokenizer=Tokenizer.byte_level())
     export = HFExport(dirpath=str(tmp_path / "hf"), every_n_train_steps=2, keep_last=1)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=4,
-        accumulate_grad_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[export],
-    )
+    trainer = quiet_trainer(max_steps=4, accumulate_grad_batches=2, callbacks=[export])
     trainer.fit(module, train_dataloaders=_batches())
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["final", "step-00000004"]  # step-2 pruned
     final = tmp_path / "hf" / "final"
@@ -44,15 +35,6 @@ def test_exports_at_intervals_and_at_the_end(tmp_path):
 def test_interval_exports_happen_on_optimizer_steps_only(tmp_path):
     module = Pretrain(arch=ModelConfig.from_name("debug"))
     export = HFExport(dirpath=str(tmp_path / "hf"), every_n_train_steps=1, at_end=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        accumulate_grad_batches=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[export],
-    )
+    trainer = quiet_trainer(max_steps=2, accumulate_grad_batches=3, callbacks=[export])
     trainer.fit(module, train_dataloaders=_batches())
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["step-00000001", "step-00000002"]

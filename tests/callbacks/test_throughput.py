@@ -1,6 +1,6 @@
-import lightning as L
 import pytest
 import torch
+from fit_runs import quiet_trainer
 
 from astrai_pl.callbacks import Throughput
 from astrai_pl.callbacks.throughput import (
@@ -62,14 +62,9 @@ def test_logs_tokens_per_second_mfu_and_shows_them_in_the_progress_bar(tmp_path)
     torch.manual_seed(1)
     ids = torch.randint(3, 320, (6, 2, 16))
     data = torch.utils.data.DataLoader([{"input_ids": x, "labels": x} for x in ids], batch_size=None)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_steps=3,
         accumulate_grad_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[Throughput(peak_flops=1e12)],
         default_root_dir=tmp_path,
     )

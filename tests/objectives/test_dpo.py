@@ -5,6 +5,7 @@ import math
 import lightning as L
 import pytest
 import torch
+from fit_runs import quiet_trainer
 
 from astrai_pl.callbacks.checkpoint import CheckpointError
 from astrai_pl.data import Arithmetic, DataError, DPOData
@@ -18,8 +19,7 @@ SMALL = Arithmetic(train_rows=48, test_rows=8)
 
 
 def trainer(**kw):
-    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, **kw)
+    return quiet_trainer(devices=1, **kw)
 
 
 def pairs(tmp_path, batch_size=4):

@@ -1,8 +1,8 @@
 """The GRPO objective: rollouts on the live policy, the first pass, gradients, exact accumulation, errors."""
 
-import lightning as L
 import pytest
 import torch
+from fit_runs import quiet_trainer
 
 from astrai_pl.data import Arithmetic, GRPOData
 from astrai_pl.data.synthetic import problems
@@ -40,8 +40,7 @@ def prompt_batch(n=3, seed=0) -> dict[str, list]:
 
 
 def trainer(**kw):
-    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, **kw)
+    return quiet_trainer(devices=1, **kw)
 
 
 def gap(module, part, temperature=1.0):

@@ -1,9 +1,9 @@
 import json
 import math
 
-import lightning as L
 import pytest
 import torch
+from fit_runs import quiet_trainer
 
 from astrai_pl.data import PretrainData
 from astrai_pl.model import ModelConfig
@@ -21,8 +21,7 @@ def corpus(tmp_path):
 
 
 def trainer(**kw):
-    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, **kw)
+    return quiet_trainer(devices=1, **kw)
 
 
 def test_pretrain_fast_dev_run(corpus):

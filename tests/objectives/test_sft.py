@@ -5,6 +5,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from fit_runs import quiet_trainer
 
 from astrai_pl.cli import lightning_main, main
 from astrai_pl.data import Arithmetic, DataError, SFTData
@@ -20,15 +21,7 @@ DEBUG_CONFIG = ROOT / "configs" / "sft" / "debug.yaml"
 
 
 def trainer(**kw):
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kw,
-    )
+    return quiet_trainer(devices=1, **kw)
 
 
 def uneven_rows(path, n=24):
