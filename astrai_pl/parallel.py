@@ -188,8 +188,19 @@ def apply_fsdp2(
     reduce_dtype: str | None = None,
     reshard_after_forward: bool = True,
 ) -> None:
-    """fully_shard every block, then the root (embeddings, final norm, lm_head)."""
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    """fully_shard every block, then the root (embeddings, final norm, lm_head).
+
+    The root keeps its parameters gathered from its forward to its backward (as FSDP2 does for the root
+    when left to choose): they are needed again at once, and the objectives read the lm_head's weight
+    after the root's forward method has returned. `hidden_states` is registered as a forward method of
+    the root, since the objectives call it instead of `forward` and it must gather those parameters too.
+    """
+    from torch.distributed.fsdp import (
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     if isinstance(model, FSDPModule):
         return
@@ -199,7 +210,8 @@ def apply_fsdp2(
     )
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    register_fsdp_forward_method(model, "hidden_states")
 
 
 def configure_model(

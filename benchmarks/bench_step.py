@@ -4,7 +4,8 @@ The `small` preset (hidden 512, 8 layers, 8 query / 2 key-value heads, vocab 819
 batch 4 x 256 tokens, 2 threads. A step is forward, next-token cross-entropy, backward and AdamW
 (torch's fused AdamW, lr 3e-4, the same on every side):
 
-- ours: `Transformer(input_ids).logits` → `astrai_pl.objectives.losses.cross_entropy`;
+- ours: the loss of our `Pretrain` objective (`Objective.next_token_loss`: the model's hidden states,
+  then the lm_head fused with the cross-entropy, `astrai_pl.objectives.losses.linear_cross_entropy`);
 - transformers: `LlamaForCausalLM(input_ids=…, labels=…).loss` (its own shift and loss);
 - litgpt: `GPT(input_ids)` → `litgpt.utils.chunked_cross_entropy`, as its pretraining script does.
 
@@ -88,9 +89,11 @@ def litgpt_copy(model, hf):
 
 def contestants(args, precision: str) -> tuple[dict, dict, object]:
     """Step functions of ours and each peer that installs, and why a peer is missing."""
-    from astrai_pl.objectives.losses import cross_entropy, next_token_labels
+    from astrai_pl.objectives import Pretrain
 
     model = small_model().train()
+    objective = Pretrain(arch=model.config)
+    objective.model = model
     hf = hf_copy(model)
     peers = {"transformers LlamaForCausalLM": hf}
     missing = {}
@@ -99,16 +102,18 @@ def contestants(args, precision: str) -> tuple[dict, dict, object]:
     except ImportError:
         missing["litgpt GPT"] = LITGPT_WHY
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
-    targets = next_token_labels(ids)
+    batch = {"input_ids": ids, "labels": ids}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
 
-    def make(module, loss_of):
+    def make(module, forward, loss_of=lambda out: out):
+        """`forward()` runs under autocast (for us, the whole training_step, as Lightning runs it);
+        `loss_of(out)` after it (litgpt computes its loss outside the autocast region)."""
         opt = torch.optim.AdamW(module.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
         def step():
             with autocast:
-                out = module(ids) if loss_of is not None else module(input_ids=ids, labels=ids)
-            loss = loss_of(out) if loss_of is not None else out.loss
+                out = forward()
+            loss = loss_of(out)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -116,16 +121,19 @@ def contestants(args, precision: str) -> tuple[dict, dict, object]:
 
         return step
 
-    fns = {"ours": make(model, lambda out: cross_entropy(out.logits, targets)[0])}
-    fns["transformers LlamaForCausalLM"] = make(hf, None)
+    fns = {"ours": make(model, lambda: objective.next_token_loss(batch)[0])}
+    fns["transformers LlamaForCausalLM"] = make(hf, lambda: hf(input_ids=ids, labels=ids).loss)
     if "litgpt GPT" in peers:
         from litgpt.utils import chunked_cross_entropy
 
-        fns["litgpt GPT"] = make(peers["litgpt GPT"], lambda logits: chunked_cross_entropy(logits[:, :-1], ids[:, 1:]))
+        gpt = peers["litgpt GPT"]
+        fns["litgpt GPT"] = make(gpt, lambda: gpt(ids), lambda logits: chunked_cross_entropy(logits[:, :-1], ids[:, 1:]))
     gaps = {"transformers LlamaForCausalLM": max_logit_gap(model, lambda x: hf(input_ids=x).logits, 8192)}
     if "litgpt GPT" in peers:
         gaps["litgpt GPT"] = max_logit_gap(model, peers["litgpt GPT"], 8192)
-    return fns, {"missing": missing, "gaps": gaps}, model
+    with torch.no_grad(), autocast:  # the same loss on both sides, before any step
+        loss_gap = abs(objective.next_token_loss(batch)[0].item() - hf(input_ids=ids, labels=ids).loss.item())
+    return fns, {"missing": missing, "gaps": gaps, "loss_gap": loss_gap}, model
 
 
 def main() -> None:
@@ -151,6 +159,8 @@ def main() -> None:
         for peer, duel_ in results.items():
             row = row_from(duel_, f"training step, {precision}", peer, 1, "s/step", command, target=1.0)
             row.detail += f"; max logit gap {info['gaps'][peer]:.1e}"
+            if peer.startswith("transformers"):
+                row.detail += f"; loss gap {info['loss_gap']:.1e}"
             rows.append(row)
         for peer, why in info["missing"].items():
             rows.append(Row(f"training step, {precision}", peer, None, note=why, command=command))

@@ -16,6 +16,7 @@ from torchmetrics import MeanMetric
 from ..callbacks.checkpoint import CheckpointError, is_sharded_checkpoint, read_checkpoint
 from ..model import ModelConfig, Transformer
 from ..parallel import ActivationCheckpointing, check_activation_checkpointing, configure_model
+from .losses import IGNORE_INDEX, cross_entropy, linear_cross_entropy, next_token_labels
 
 
 def as_config(arch: ModelConfig | dict | None) -> ModelConfig:
@@ -60,6 +61,14 @@ def param_groups(model: nn.Module) -> list[dict[str, Any]]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without torch.distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
 class Objective(L.LightningModule, ABC):
     """Holds a Transformer; subclasses implement `_shared_step(batch, stage) -> (loss, metrics)`."""
 
@@ -95,6 +104,32 @@ class Objective(L.LightningModule, ABC):
     @abstractmethod
     def _shared_step(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
         """The objective's loss on one batch and its metrics (detached tensors)."""
+
+    def next_token_loss(
+        self, batch: dict[str, torch.Tensor], label_smoothing: float = 0.0
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Cross-entropy of every trained next token (labels != -100), plus the weighted MoE auxiliary loss.
+
+        The lm_head and the loss run fused (`linear_cross_entropy`): the (B, T, V) logits are never
+        built and untrained positions never reach the lm_head. Under tensor parallelism, whose lm_head
+        weight is a DTensor, the lm_head module runs and `cross_entropy` takes its logits.
+        """
+        hidden, aux = self.model.hidden_states(batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"))
+        targets = next_token_labels(batch["labels"])
+        tokens = (targets != IGNORE_INDEX).sum()
+        normalizer = self.accumulation_scale(batch, tokens)
+        weight = self.model.lm_head.weight
+        if _is_dtensor(weight):
+            loss, metrics = cross_entropy(self.model.lm_head(hidden), targets, label_smoothing=label_smoothing,
+                                          normalizer=normalizer)
+        else:
+            loss, metrics = linear_cross_entropy(hidden, weight, targets, label_smoothing=label_smoothing,
+                                                 normalizer=normalizer)
+        if aux is not None:
+            weighted = self.arch.router_aux_loss_coef * aux
+            loss = loss + weighted
+            metrics.update(aux_loss=aux.detach(), aux_loss_weighted=weighted.detach())
+        return loss, metrics
 
     def training_step(self, batch, batch_idx):
         loss, metrics = self._shared_step(batch, "train")

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from .logprobs import IGNORE_INDEX, logprobs_from_logits, sequence_logprobs, token_logprobs
 
 __all__ = [
-    "IGNORE_INDEX", "next_token_labels", "cross_entropy", "logprobs_from_logits", "token_logprobs",
+    "IGNORE_INDEX", "next_token_labels", "cross_entropy", "linear_cross_entropy", "logprobs_from_logits",
+    "token_logprobs",
     "sequence_logprobs", "dpo_loss", "group_advantages", "grpo_loss",
 ]
 
@@ -57,6 +58,105 @@ def cross_entropy(
     else:
         nll = summed.detach()
     return loss, {"nll": nll / tokens.clamp(min=1), "tokens": tokens}
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed (smoothed) cross-entropy of `hidden @ weightᵀ`, chunk by chunk, with its gradient.
+
+    The loss is a sum, so its gradient with respect to the logits of a row is known in the forward
+    pass: softmax − (1 − ε)·onehot(target) − ε/V. Each chunk's logits become that gradient in place
+    and are spent at once on the two matmuls of the backward pass (into the hidden rows and into the
+    weight), so no (N, V) tensor is ever alive and nothing is recomputed; `backward` only scales the
+    stored gradients by the incoming one.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, label_smoothing: float, chunk_size: int, need_grad: bool):
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        eps, vocab = label_smoothing, weight.shape[0]
+        loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
+        nll_sum = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        grad_weight = None
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size, None]
+            logp = torch.log_softmax((h @ weight.t()).to(acc), dim=-1)  # (C, V)
+            nll = -logp.gather(1, t).sum()
+            nll_sum += nll
+            loss_sum += (1 - eps) * nll - eps * logp.mean(-1).sum() if eps else nll
+            if not need_grad:
+                continue
+            grad = logp.exp_()  # softmax, in place
+            grad.scatter_add_(1, t, grad.new_full(t.shape, eps - 1.0))
+            if eps:
+                grad.sub_(eps / vocab)
+            grad = grad.to(hidden.dtype)
+            torch.mm(grad, weight, out=grad_hidden[start:start + chunk_size])
+            if grad_weight is None:  # the first chunk's product is the accumulator: no zero-filled (V, H)
+                grad_weight = (grad.t() @ h).to(acc)
+            elif grad_weight.dtype == hidden.dtype:
+                grad_weight.addmm_(grad.t(), h)
+            else:
+                grad_weight += grad.t() @ h
+        ctx.mark_non_differentiable(nll_sum)
+        ctx.weight_dtype, ctx.spent = weight.dtype, False
+        if need_grad:
+            if grad_weight is None:  # no trained token
+                grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss_sum, nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_nll):
+        # The stored gradients are scaled in place (no second (V, H) tensor), so they serve one backward.
+        if ctx.spent:
+            raise RuntimeError("linear_cross_entropy's gradient was already used by a backward pass; "
+                               "backward through it twice (retain_graph=True) is not supported")
+        ctx.spent = True
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        grad_weight.mul_(grad_loss)
+        return grad_hidden, grad_weight.to(ctx.weight_dtype), None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,  # (B, T, H), the final normed hidden states
+    weight: torch.Tensor,  # (V, H), the lm_head
+    labels: torch.Tensor,  # (B, T), already the targets of each position
+    ignore_index: int = IGNORE_INDEX,
+    label_smoothing: float = 0.0,
+    normalizer: torch.Tensor | float | None = None,
+    chunk_size: int = 256,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`cross_entropy(hidden @ weightᵀ, labels, …)` without ever building the (B, T, V) logits.
+
+    Same loss, gradients and metrics as `cross_entropy` on the lm_head's output (up to summation
+    order). Only the trained positions reach the lm_head, `chunk_size` rows at a time; each chunk's
+    log-softmax is turned into its logit gradient at once (see `_LinearCrossEntropy`), so the step
+    holds one (chunk_size, V) block instead of the logits, their log-softmax and their gradient
+    (three float32 (B, T, V) tensors, which at a 150k vocabulary are the largest of a step). Under
+    autocast the two matmuls run in the autocast dtype, as the lm_head's would; the softmax and the
+    sums run in float32.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
+    flat_labels = labels.reshape(-1)
+    scored = flat_labels != ignore_index
+    tokens = scored.sum()
+    where = scored.nonzero().squeeze(-1)
+    rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, where)  # (N, H), trained positions only
+    targets = flat_labels.index_select(0, where)
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        low = torch.get_autocast_dtype(device)
+        rows, weight_in = rows.to(low), weight.to(low)
+    else:
+        weight_in = weight
+    need_grad = torch.is_grad_enabled() and (rows.requires_grad or weight_in.requires_grad)
+    with torch.autocast(device, enabled=False):
+        summed, nll = _LinearCrossEntropy.apply(rows, weight_in, targets, label_smoothing, chunk_size, need_grad)
+    denom = tokens.clamp(min=1) if normalizer is None else normalizer
+    return summed / denom, {"nll": nll / tokens.clamp(min=1), "tokens": tokens}
 
 
 # -- preference optimisation ------------------------------------------------------------------------

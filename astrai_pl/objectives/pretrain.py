@@ -10,7 +10,6 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from ..model import ModelConfig
 from ..parallel import ActivationCheckpointing
 from .base import Objective
-from .losses import cross_entropy, next_token_labels
 
 
 class Pretrain(Objective):
@@ -48,13 +47,4 @@ class Pretrain(Objective):
         self.save_hyperparameters(ignore=["tokenizer", "optimizer", "scheduler"])
 
     def _shared_step(self, batch: dict[str, torch.Tensor], stage: str):
-        out = self.model(batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"))
-        targets = next_token_labels(batch["labels"])
-        tokens = (targets != -100).sum()
-        loss, metrics = cross_entropy(out.logits, targets, label_smoothing=self.label_smoothing,
-                                      normalizer=self.accumulation_scale(batch, tokens))
-        if out.aux_loss is not None:
-            weighted = self.arch.router_aux_loss_coef * out.aux_loss
-            loss = loss + weighted
-            metrics.update(aux_loss=out.aux_loss.detach(), aux_loss_weighted=weighted.detach())
-        return loss, metrics
+        return self.next_token_loss(batch, self.label_smoothing)

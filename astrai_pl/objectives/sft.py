@@ -10,7 +10,6 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from ..model import ModelConfig
 from ..parallel import ActivationCheckpointing
 from .base import Objective
-from .losses import IGNORE_INDEX, cross_entropy, next_token_labels
 
 
 class SFT(Objective):
@@ -55,18 +54,6 @@ class SFT(Objective):
         self.save_hyperparameters(ignore=["tokenizer", "optimizer", "scheduler"])
 
     def _shared_step(self, batch: dict[str, torch.Tensor], stage: str):
-        out = self.model(batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"))
-        targets = next_token_labels(batch["labels"])  # (B, T), -100 where not trained
-        tokens = (targets != IGNORE_INDEX).sum()
-        loss, metrics = cross_entropy(
-            out.logits,
-            targets,
-            label_smoothing=self.label_smoothing,
-            normalizer=self.accumulation_scale(batch, tokens),
-        )
-        metrics["trained_fraction"] = tokens / batch["input_ids"].numel()
-        if out.aux_loss is not None:
-            weighted = self.arch.router_aux_loss_coef * out.aux_loss
-            loss = loss + weighted
-            metrics.update(aux_loss=out.aux_loss.detach(), aux_loss_weighted=weighted.detach())
+        loss, metrics = self.next_token_loss(batch, self.label_smoothing)
+        metrics["trained_fraction"] = metrics["tokens"] / batch["input_ids"].numel()
         return loss, metrics

@@ -13,6 +13,7 @@ from astrai_pl.objectives.losses import (
     dpo_loss,
     group_advantages,
     grpo_loss,
+    linear_cross_entropy,
     logprobs_from_logits,
     next_token_labels,
     sequence_logprobs,
@@ -34,6 +35,70 @@ def test_cross_entropy_equals_torch_mean_over_trained_tokens(smoothing):
     nll = F.cross_entropy(logits.view(-1, 11), labels.view(-1))
     torch.testing.assert_close(metrics["nll"], nll)
     assert metrics["tokens"] == 10
+
+
+def lm_head_case(dtype=torch.float64, rows=(2, 9), hidden=16, vocab=37, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(*rows, hidden, generator=gen, dtype=dtype).requires_grad_(True)
+    w = (3 * torch.randn(vocab, hidden, generator=gen, dtype=dtype)).requires_grad_(True)
+    labels = torch.randint(0, vocab, rows, generator=gen)
+    labels[0, :4] = IGNORE_INDEX  # a prompt
+    labels[1, -2:] = IGNORE_INDEX  # padding
+    return h, w, labels
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("chunk_size", [1, 4, 256])
+def test_linear_cross_entropy_equals_cross_entropy_of_the_logits_with_gradients(smoothing, chunk_size):
+    h, w, labels = lm_head_case()
+    normalizer = torch.tensor(7.0, dtype=torch.float64)  # an accumulation window's token count
+    expected, expected_metrics = cross_entropy(h @ w.t(), labels, label_smoothing=smoothing, normalizer=normalizer)
+    grads = torch.autograd.grad(3 * expected, (h, w))
+    loss, metrics = linear_cross_entropy(h, w, labels, label_smoothing=smoothing, normalizer=normalizer,
+                                         chunk_size=chunk_size)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(metrics["nll"], expected_metrics["nll"])
+    assert metrics["tokens"] == expected_metrics["tokens"] == 12
+    for got, want in zip(torch.autograd.grad(3 * loss, (h, w)), grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_linear_cross_entropy_gives_untrained_positions_no_gradient_and_needs_no_graph():
+    h, w, labels = lm_head_case()
+    loss, _ = linear_cross_entropy(h, w, labels)
+    loss.backward()
+    untrained = labels == IGNORE_INDEX
+    assert (h.grad[untrained] == 0).all() and (h.grad[~untrained] != 0).all()
+    with torch.no_grad():  # validation: the same value, and no gradient work
+        torch.testing.assert_close(linear_cross_entropy(h, w, labels)[0], loss.detach())
+    h.grad = w.grad = None
+    loss, metrics = linear_cross_entropy(h, w, torch.full_like(labels, IGNORE_INDEX))
+    loss.backward()
+    assert loss.item() == 0 and metrics["tokens"] == 0
+    assert (h.grad == 0).all() and (w.grad == 0).all()
+
+
+def test_linear_cross_entropy_under_bf16_autocast_matches_the_autocast_lm_head():
+    h, w, labels = lm_head_case(dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = cross_entropy(F.linear(h, w), labels)[0]
+        loss = linear_cross_entropy(h, w, labels)[0]
+    grads = torch.autograd.grad(expected, (h, w))
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)  # bf16 products, float32 sums
+    for got, want in zip(torch.autograd.grad(loss, (h, w)), grads):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+
+
+def test_linear_cross_entropy_refuses_a_second_backward_and_bad_chunks():
+    h, w, labels = lm_head_case()
+    loss, _ = linear_cross_entropy(h, w, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+    with pytest.raises(ValueError, match="chunk_size"):
+        linear_cross_entropy(h, w, labels, chunk_size=0)
 
 
 # -- per-token log-probabilities ----------------------------------------------------------------------

@@ -118,16 +118,18 @@ def test_the_loss_is_the_mean_over_trained_tokens_and_ignores_the_prompt():
     ids = torch.randint(5, 300, (2, 12))
     labels = torch.full_like(ids, -100)
     labels[0, 8:], labels[1, 5:7] = ids[0, 8:], ids[1, 5:7]  # "completions": 4 and 2 tokens
-    logits = module.model(ids).logits.detach().requires_grad_(True)
-    module.model.forward = lambda *a, **kw: type("Out", (), {"logits": logits, "aux_loss": None})()
+    hidden, _ = module.model.hidden_states(ids)
+    hidden = hidden.detach().requires_grad_(True)  # a leaf: its gradient shows which positions count
+    module.model.hidden_states = lambda *a, **kw: (hidden, None)
     loss, metrics = module._shared_step({"input_ids": ids, "labels": labels}, "train")
+    logits = module.model.lm_head(hidden)
     per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
     trained = labels[:, 1:] != -100
     torch.testing.assert_close(loss, per_token[trained].mean())
     assert int(metrics["tokens"]) == 6
     loss.backward()
     prompt_positions = ~torch.cat([trained, torch.zeros(2, 1, dtype=torch.bool)], dim=1)
-    assert (logits.grad[prompt_positions] == 0).all() and (logits.grad[~prompt_positions] != 0).any()
+    assert (hidden.grad[prompt_positions] == 0).all() and (hidden.grad[~prompt_positions] != 0).any()
 
 
 def test_sft_fast_dev_run_on_the_synthetic_task(tmp_path):
