@@ -2,13 +2,15 @@
 
 Decodes come first, then prefill chunks; the `StepView` tells each attention layer where every
 request's tokens start and which slots hold its context. Only the rows whose next token is sampled go
-through the output projection.
+through the output projection. On CPU every Linear multiplies by an (in, out) copy of its weight
+(`InputMajorWeights`, remade when the weights change): the fast layout for the few rows of a decode.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..model.layers import InputMajorWeights, Linear
 from .backends import StepView, select_backend
 from .pool import KVPool
 from .request import Request
@@ -19,6 +21,7 @@ class ModelRunner:
         self.model, self.pool, self.device, self.dtype = model, pool, device, dtype
         self.steps = 0
         self.scratch: dict = {}  # attention backends' state between steps
+        self.weights = InputMajorWeights() if device.type == "cpu" else None
 
     def forward(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
         """Compute `n` tokens of each planned request; the requests now ready to sample and their logits.
@@ -45,7 +48,8 @@ class ModelRunner:
         self.steps += 1
         input_ids = torch.tensor(ids, device=self.device)[None]
         position_ids = torch.tensor(positions, device=self.device)[None]
-        hidden, _ = self.model.hidden_states(input_ids, position_ids=position_ids, cache=view)
+        with Linear.input_major(self.weights):
+            hidden, _ = self.model.hidden_states(input_ids, position_ids=position_ids, cache=view)
         ready, sample_at, end = [], [], 0
         for req, n in plan:
             req.num_computed += n
@@ -56,7 +60,8 @@ class ModelRunner:
                 sample_at.append(end - 1)
         if not ready:
             return [], None
-        return ready, self.model.lm_head(hidden[0, sample_at]).float()
+        with Linear.input_major(self.weights):
+            return ready, self.model.lm_head(hidden[0, sample_at]).float()
 
     def _write_table(self, plan: list[tuple[Request, int]]) -> tuple[list[int], list[int], list[int]]:
         """Fill each request's req_to_token row up to its new tokens; the step's ids, positions and slots."""

@@ -13,7 +13,8 @@ While the same requests keep decoding, their contexts are not gathered again eve
 `DecodeMirror` keeps dense copies, built with one gather once a decode batch has stayed the same for
 two steps, then extended by each step's new token. It is valid only for the very next step of exactly
 the same requests, each one token longer; anything else (a request joins, finishes, is preempted)
-drops it, and the decode group is gathered from the pool until the batch settles again.
+drops it, and the decode group is gathered from the pool until the batch settles again. The mirror's
+memory (at most `MIRROR_BYTES`) is kept by the engine and reused by the next mirror.
 """
 
 from __future__ import annotations
@@ -171,8 +172,7 @@ def _mirror(view: StepView, kv_lens: list[int]) -> DecodeMirror | None:
     capacity = -(-(max(kv_lens) + 128) // 64) * 64
     if 2 * layers * nd * Hkv * capacity * D * view.storage.k.element_size() > MIRROR_BYTES:
         return None
-    k = view.storage.k.new_zeros(layers, nd, Hkv, capacity, D)  # zeros: padding must stay finite
-    v = torch.zeros_like(k)
+    k, v = _mirror_buffers(view, (layers, nd, Hkv, capacity, D))
     width = max(kv_lens) - 1  # the new token is written by each layer as it comes
     slots = view.req_to_token[view.rows[:nd], :width].to(torch.int64)
     k[:, :, :, :width] = view.storage.k[:, slots].transpose(2, 3)
@@ -180,6 +180,23 @@ def _mirror(view: StepView, kv_lens: list[int]) -> DecodeMirror | None:
     mirror = DecodeMirror(keys, kv_lens, view.step, k, v)
     view.scratch["decode_mirror"] = mirror
     return mirror
+
+
+def _mirror_buffers(view: StepView, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V mirror tensors of `shape`, carved from buffers kept in the engine's scratch across steps
+    and calls (a rollout after a rollout reuses them: no new allocation, no page faults on fresh memory).
+
+    Positions past a request's length are masked but still multiplied, so they must be finite: the
+    buffers start as zeros and only ever receive K/V values, so whatever a reused buffer holds is finite.
+    """
+    numel = 1
+    for size in shape:
+        numel *= size
+    buffers = view.scratch.get("mirror_buffers")
+    if buffers is None or buffers[0].numel() < numel:
+        buffers = tuple(view.storage.k.new_zeros(numel) for _ in range(2))
+        view.scratch["mirror_buffers"] = buffers
+    return buffers[0][:numel].view(shape), buffers[1][:numel].view(shape)
 
 
 def _gather_index(view: StepView, rows: torch.Tensor, width: int, unit: int) -> torch.Tensor:

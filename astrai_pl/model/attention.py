@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import RMSNorm, apply_rotary
+from .layers import Linear, RMSNorm, apply_rotary, project
 
 
 class KVCacheView(Protocol):
@@ -57,10 +57,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
         h, d = cfg.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.n_heads * d, bias=cfg.attention_bias)
+        self.k_proj = Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.n_heads * d, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -75,9 +75,10 @@ class Attention(nn.Module):
         cache: KVCacheView | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # RoPE before any cache write: cached keys keep the rotation of their own position.

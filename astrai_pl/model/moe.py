@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import SwiGLU
+from .layers import Linear, SwiGLU
 
 
 def load_balancing_loss(probs: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -29,11 +29,11 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         shared = cfg.shared_expert_intermediate_size
         self.shared_expert = SwiGLU(cfg.hidden_size, shared) if shared else None
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared and cfg.shared_expert_gate else None
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if shared and cfg.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape

@@ -11,7 +11,7 @@ from torch import nn
 
 from .attention import Attention, AttentionMask, KVCacheView, document_ids_from_positions
 from .config import ModelConfig
-from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from .moe import MoE
 
 
@@ -53,7 +53,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -1,5 +1,7 @@
 """The engine's greedy output equals cache-free decoding under every layout, batch shape and memory pressure."""
 
+import copy
+
 import pytest
 import torch
 
@@ -188,3 +190,18 @@ def test_bad_requests_and_arguments_are_refused(model, make_engine):
     with pytest.raises(EngineConfigError, match="page_size=0"):
         make_engine(model, page_size=0)
     assert not engine.has_unfinished() and engine.check().in_use == 0
+
+
+def test_the_engine_follows_in_place_weight_updates(model, make_engine, reference_greedy, random_prompts):
+    """GRPO updates the policy between rollouts: the engine's (in, out) weight copies must not go stale."""
+    policy = copy.deepcopy(model)
+    engine = make_engine(policy)
+    prompt = random_prompts([13])[0]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    [before] = engine.generate([prompt], params)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.reset_prefix_cache()
+    [after] = engine.generate([prompt], params)
+    assert after.token_ids == reference_greedy(policy, prompt, 8) != before.token_ids

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from astrai_pl.model import ConfigError, ModelConfig, Transformer
-from astrai_pl.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from astrai_pl.model.layers import InputMajorWeights, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 def test_rmsnorm_matches_torch_and_is_not_recentering():
@@ -113,3 +113,52 @@ def test_presets_build():
         cfg = ModelConfig.from_name(name)
         assert cfg.num_parameters() > 1e8
     assert abs(ModelConfig.from_name("SmolLM2-135M").num_parameters() / 134.5e6 - 1) < 0.01
+
+
+def test_input_major_copies_give_the_same_logits_and_follow_weight_updates():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name("debug", attention_bias=True)).eval()  # qkv biases too
+    ids = torch.randint(0, 300, (2, 7))
+    weights = InputMajorWeights()
+    with torch.no_grad():
+        plain = model(ids).logits
+        with Linear.input_major(weights):
+            joined = model(ids).logits
+        layer = model.layers[0]
+        # q/k/v and gate/up each go through one joined copy; o, down and the lm_head through their own
+        assert weights.get(layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                           layer.self_attn.v_proj.weight).shape == (64, 64 + 2 * 32)
+        assert len(weights._copies) == 4 * len(model.layers) + 1
+        torch.testing.assert_close(joined, plain, rtol=1e-5, atol=1e-5)
+        for p in model.parameters():  # an optimizer step: in-place updates
+            p.mul_(1.5)
+        with Linear.input_major(weights):
+            updated = model(ids).logits
+        torch.testing.assert_close(updated, model(ids).logits, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(updated, plain)
+    with Linear.input_major(weights):  # autograd on (training): plain nn.Linear, gradients reach the weights
+        model(ids).logits.sum().backward()
+    assert model.lm_head.weight.grad is not None
+
+
+def test_input_major_leaves_inference_tensors_to_f_linear():
+    weights = InputMajorWeights()
+    with torch.inference_mode():
+        linear = Linear(8, 4)  # parameters made in inference mode track no version
+        x = torch.randn(3, 8)
+        with Linear.input_major(weights):
+            out = linear(x)
+    assert weights.get(linear.weight) is None and not weights._copies
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, linear.weight, linear.bias))
+
+
+def test_input_major_copies_of_replaced_weights_are_dropped():
+    weights = InputMajorWeights()
+    linear = Linear(8, 4)
+    x = torch.randn(3, 8)
+    with torch.no_grad(), Linear.input_major(weights):
+        linear(x)
+        linear.weight = torch.nn.Parameter(2 * linear.weight)  # a reload with new tensors
+        out = linear(x)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, linear.weight, linear.bias))
+    assert len(weights._copies) == 1  # the old weight is gone, and so is its copy
