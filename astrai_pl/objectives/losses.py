@@ -71,16 +71,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, label_smoothing: float, chunk_size: int, need_grad: bool):
+    def forward(ctx, hidden, weight, targets, label_smoothing: float, chunk_size: int, need_grad: bool,
+                matmul_dtype: torch.dtype | None):
+        # Matmuls in `matmul_dtype` (autocast's, or the inputs'); softmax, sums and gradients in `acc`,
+        # so the returned gradients need no cast back to the float32 parameters.
         acc = torch.promote_types(hidden.dtype, torch.float32)
+        low = matmul_dtype or hidden.dtype
+        hidden_low, weight_low = hidden.to(low), weight.to(low)
         eps, vocab = label_smoothing, weight.shape[0]
         loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
         nll_sum = torch.zeros((), dtype=acc, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_grad else None
         grad_weight = None
         for start in range(0, hidden.shape[0], chunk_size):
-            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size, None]
-            logp = torch.log_softmax((h @ weight.t()).to(acc), dim=-1)  # (C, V)
+            h, t = hidden_low[start:start + chunk_size], targets[start:start + chunk_size, None]
+            logp = torch.log_softmax((h @ weight_low.t()).to(acc), dim=-1)  # (C, V)
             nll = -logp.gather(1, t).sum()
             nll_sum += nll
             loss_sum += (1 - eps) * nll - eps * logp.mean(-1).sum() if eps else nll
@@ -90,16 +95,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad.scatter_add_(1, t, grad.new_full(t.shape, eps - 1.0))
             if eps:
                 grad.sub_(eps / vocab)
-            grad = grad.to(hidden.dtype)
-            torch.mm(grad, weight, out=grad_hidden[start:start + chunk_size])
+            grad = grad.to(low)
+            if low == acc:
+                torch.mm(grad, weight_low, out=grad_hidden[start:start + chunk_size])
+            else:
+                grad_hidden[start:start + chunk_size] = grad @ weight_low
             if grad_weight is None:  # the first chunk's product is the accumulator: no zero-filled (V, H)
                 grad_weight = (grad.t() @ h).to(acc)
-            elif grad_weight.dtype == hidden.dtype:
+            elif low == acc:
                 grad_weight.addmm_(grad.t(), h)
             else:
                 grad_weight += grad.t() @ h
         ctx.mark_non_differentiable(nll_sum)
-        ctx.weight_dtype, ctx.spent = weight.dtype, False
+        ctx.dtypes, ctx.spent = (hidden.dtype, weight.dtype), False
         if need_grad:
             if grad_weight is None:  # no trained token
                 grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
@@ -114,9 +122,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                "backward through it twice (retain_graph=True) is not supported")
         ctx.spent = True
         grad_hidden, grad_weight = ctx.saved_tensors
-        grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        grad_hidden.mul_(grad_loss)
         grad_weight.mul_(grad_loss)
-        return grad_hidden, grad_weight.to(ctx.weight_dtype), None, None, None, None
+        return grad_hidden.to(ctx.dtypes[0]), grad_weight.to(ctx.dtypes[1]), None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -135,8 +143,8 @@ def linear_cross_entropy(
     log-softmax is turned into its logit gradient at once (see `_LinearCrossEntropy`), so the step
     holds one (chunk_size, V) block instead of the logits, their log-softmax and their gradient
     (three float32 (B, T, V) tensors, which at a 150k vocabulary are the largest of a step). Under
-    autocast the two matmuls run in the autocast dtype, as the lm_head's would; the softmax and the
-    sums run in float32.
+    autocast the three matmuls run in the autocast dtype, as the lm_head's would; the softmax, the
+    sums and the accumulated weight gradient stay in float32.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
@@ -147,14 +155,10 @@ def linear_cross_entropy(
     rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, where)  # (N, H), trained positions only
     targets = flat_labels.index_select(0, where)
     device = hidden.device.type
-    if torch.is_autocast_enabled(device):
-        low = torch.get_autocast_dtype(device)
-        rows, weight_in = rows.to(low), weight.to(low)
-    else:
-        weight_in = weight
-    need_grad = torch.is_grad_enabled() and (rows.requires_grad or weight_in.requires_grad)
+    low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    need_grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
     with torch.autocast(device, enabled=False):
-        summed, nll = _LinearCrossEntropy.apply(rows, weight_in, targets, label_smoothing, chunk_size, need_grad)
+        summed, nll = _LinearCrossEntropy.apply(rows, weight, targets, label_smoothing, chunk_size, need_grad, low)
     denom = tokens.clamp(min=1) if normalizer is None else normalizer
     return summed / denom, {"nll": nll / tokens.clamp(min=1), "tokens": tokens}
 
