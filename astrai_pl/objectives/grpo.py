@@ -135,6 +135,16 @@ class GRPO(Objective):
         return self
 
     # -- rollouts --------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy):
+            raise ValueError(
+                f"GRPO does not run under trainer.strategy={type(self.trainer.strategy).__name__} (FSDP2 / tensor "
+                "parallel): its rollouts decode on the whole model, step by step, on each rank. Use "
+                "trainer.strategy: ddp, or a single device")
+        super().configure_model()
+
     def rollout_engine(self, prompt_ids: list[list[int]]) -> Engine:
         """The engine on the live policy (self.model itself, not a copy), built on first use."""
         param = next(self.model.parameters())

@@ -174,3 +174,14 @@ def test_a_failing_reward_function_stops_the_rollout_naming_it(fn, message):
 def test_too_few_completions_for_the_accumulation_is_an_error():
     with pytest.raises(ValueError, match="cannot fill 13 micro-batches"):
         grpo(kl_coef=0.0).roll_out(prompt_batch(), num_micro_batches=13)
+
+
+def test_fsdp2_and_tensor_parallel_are_refused_with_the_fix():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    module = grpo()
+    module._trainer = SimpleNamespace(strategy=ModelParallelStrategy())
+    with pytest.raises(ValueError, match="trainer.strategy: ddp"):
+        module.configure_model()
