@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5, help="alternate runs of each; the median ratio counts")
+    parser.add_argument("--repeats", type=int, default=9, help="alternate runs of each; the median ratio counts")
     parser.add_argument("--budget", type=float, default=90, help="seconds per workload after which no new "
                         "round starts (at least 3 rounds)")
     parser.add_argument("--json", default=None, help="also write the rows here")

@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=5, help="timed rollouts per side, interleaved")
+    parser.add_argument("--reps", type=int, default=9, help="timed rollouts per side, interleaved")
     parser.add_argument("--budget", type=float, default=80, help="seconds after which no new round starts "
                         "(at least 3 rounds)")
     parser.add_argument("--json", default=None, help="also write the rows here")

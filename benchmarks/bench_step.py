@@ -140,8 +140,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--reps", type=int, default=7, help="timed steps per contestant, interleaved")
-    parser.add_argument("--budget", type=float, default=75, help="seconds per precision after which no new "
+    parser.add_argument("--reps", type=int, default=11, help="timed steps per contestant, interleaved")
+    parser.add_argument("--budget", type=float, default=100, help="seconds per precision after which no new "
                         "round starts (at least 3 rounds)")
     parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"])
     parser.add_argument("--json", default=None, help="also write the rows here")
