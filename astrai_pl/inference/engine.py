@@ -215,7 +215,15 @@ class Engine:
         return due
 
     def reset_prefix_cache(self) -> int:
-        """Evict every unused cached prefix (call after changing the weights); returns pages freed."""
+        """Evict every unused cached prefix and drop the weight copies (call after changing the weights);
+        returns pages freed.
+
+        In-place updates that bump a weight's version counter (foreach and for-loop optimizers,
+        `load_state_dict`) are seen without this call; `torch.optim.AdamW(fused=True)` updates weights
+        without bumping it, so after such a step this call is what makes the engine use the new weights.
+        """
+        if self.runner.weights is not None:
+            self.runner.weights.clear()
         if self.pool.radix is None:
             return 0
         freed = self.pool.radix.reset()

@@ -22,9 +22,11 @@ class InputMajorWeights:
     out (in, out) runs 1.5-1.8x faster than `F.linear` against the (out, in) layout it is stored in, and
     projections that read the same input (q/k/v, gate/up) go faster still as one matmul against their
     joined copy (see docs/benchmarks.md). The inference engine keeps one of these for its model and
-    activates it around its forwards (`Linear.input_major`); training never does. A copy is keyed by the weight's storage and version counter, so an optimizer step or a
-    `load_state_dict` (in-place updates) makes the next forward copy the new values; the copies cost one
-    more float of memory per weight, held by this object.
+    activates it around its forwards (`Linear.input_major`); training never does. A copy is keyed by
+    the weight's storage and version counter, so an optimizer step or a `load_state_dict` (in-place
+    updates) makes the next forward copy the new values. Fused optimizers (`AdamW(fused=True)`) update
+    weights without bumping the counter: whoever changes weights that way calls `clear()` (the engine's
+    `reset_prefix_cache` does). The copies cost one more float of memory per weight, held by this object.
     """
 
     def __init__(self) -> None:

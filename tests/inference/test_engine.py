@@ -205,3 +205,21 @@ def test_the_engine_follows_in_place_weight_updates(model, make_engine, referenc
     engine.reset_prefix_cache()
     [after] = engine.generate([prompt], params)
     assert after.token_ids == reference_greedy(policy, prompt, 8) != before.token_ids
+
+
+def test_reset_prefix_cache_drops_weight_copies_a_fused_optimizer_left_stale(
+    model, make_engine, reference_greedy, random_prompts
+):
+    """AdamW(fused=True) writes the weights without bumping their version counters."""
+    policy = copy.deepcopy(model)
+    engine = make_engine(policy)
+    prompt = random_prompts([13])[0]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    [before] = engine.generate([prompt], params)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=0.05, fused=True)
+    for p in policy.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    engine.reset_prefix_cache()
+    [after] = engine.generate([prompt], params)
+    assert after.token_ids == reference_greedy(policy, prompt, 8) != before.token_ids
