@@ -74,14 +74,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, label_smoothing: float, chunk_size: int, need_grad: bool,
                 matmul_dtype: torch.dtype | None):
         # Matmuls in `matmul_dtype` (autocast's, or the inputs'); softmax, sums and gradients in `acc`,
-        # so the returned gradients need no cast back to the float32 parameters.
+        # so the returned gradients need no cast back to the float32 parameters. Under fp16 autocast the
+        # two gradient matmuls stay in float32: without the GradScaler's factor (applied only in
+        # backward) the small softmax entries would underflow in fp16.
         acc = torch.promote_types(hidden.dtype, torch.float32)
         low = matmul_dtype or hidden.dtype
+        grad_low = acc if low == torch.float16 else low
         hidden_low, weight_low = hidden.to(low), weight.to(low)
+        hidden_g, weight_g = (hidden_low, weight_low) if grad_low == low else (hidden.to(grad_low), weight.to(grad_low))
+        want_hidden = need_grad and ctx.needs_input_grad[0]
+        want_weight = need_grad and ctx.needs_input_grad[1]
         eps, vocab = label_smoothing, weight.shape[0]
         loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
         nll_sum = torch.zeros((), dtype=acc, device=hidden.device)
-        grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if need_grad else None
+        grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if want_hidden else None
         grad_weight = None
         for start in range(0, hidden.shape[0], chunk_size):
             h, t = hidden_low[start:start + chunk_size], targets[start:start + chunk_size, None]
@@ -89,32 +95,35 @@ class _LinearCrossEntropy(torch.autograd.Function):
             nll = -logp.gather(1, t).sum()
             nll_sum += nll
             loss_sum += (1 - eps) * nll - eps * logp.mean(-1).sum() if eps else nll
-            if not need_grad:
+            if not (want_hidden or want_weight):
                 continue
             grad = logp.exp_()  # softmax, in place
             grad.scatter_add_(1, t, grad.new_full(t.shape, eps - 1.0))
             if eps:
                 grad.sub_(eps / vocab)
-            grad = grad.to(low)
-            if low == acc:
-                torch.mm(grad, weight_low, out=grad_hidden[start:start + chunk_size])
-            else:
-                grad_hidden[start:start + chunk_size] = grad @ weight_low
-            if grad_weight is None:  # the first chunk's product is the accumulator: no zero-filled (V, H)
-                grad_weight = (grad.t() @ h).to(acc)
-            elif low == acc:
-                grad_weight.addmm_(grad.t(), h)
-            else:
-                grad_weight += grad.t() @ h
+            grad = grad.to(grad_low)
+            if want_hidden:
+                if grad_low == acc:
+                    torch.mm(grad, weight_g, out=grad_hidden[start:start + chunk_size])
+                else:
+                    grad_hidden[start:start + chunk_size] = grad @ weight_g
+            if want_weight:
+                h = hidden_g[start:start + chunk_size]
+                if grad_weight is None:  # the first chunk's product is the accumulator: no zero-filled (V, H)
+                    grad_weight = (grad.t() @ h).to(acc)
+                elif grad_low == acc:
+                    grad_weight.addmm_(grad.t(), h)
+                else:
+                    grad_weight += grad.t() @ h
         ctx.mark_non_differentiable(nll_sum)
         ctx.dtypes, ctx.spent = (hidden.dtype, weight.dtype), False
-        if need_grad:
-            if grad_weight is None:  # no trained token
-                grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-            ctx.save_for_backward(grad_hidden, grad_weight)
+        if want_weight and grad_weight is None:  # no trained token
+            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        ctx.save_for_backward(grad_hidden, grad_weight)
         return loss_sum, nll_sum
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, _grad_nll):
         # The stored gradients are scaled in place (no second (V, H) tensor), so they serve one backward.
         if ctx.spent:
@@ -122,9 +131,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                "backward through it twice (retain_graph=True) is not supported")
         ctx.spent = True
         grad_hidden, grad_weight = ctx.saved_tensors
-        grad_hidden.mul_(grad_loss)
-        grad_weight.mul_(grad_loss)
-        return grad_hidden.to(ctx.dtypes[0]), grad_weight.to(ctx.dtypes[1]), None, None, None, None, None
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(grad_loss).to(ctx.dtypes[0])
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_loss).to(ctx.dtypes[1])
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -141,8 +152,11 @@ def linear_cross_entropy(
     Same loss, gradients and metrics as `cross_entropy` on the lm_head's output (up to summation
     order). Only the trained positions reach the lm_head, `chunk_size` rows at a time; each chunk's
     log-softmax is turned into its logit gradient at once (see `_LinearCrossEntropy`), so the step
-    holds one (chunk_size, V) block instead of the logits, their log-softmax and their gradient
-    (three float32 (B, T, V) tensors, which at a 150k vocabulary are the largest of a step). Under
+    holds one (chunk_size, V) block (two or three briefly: the logits, their float32 log-softmax)
+    instead of the logits, their log-softmax and their gradient (three float32 (B, T, V) tensors, which
+    at a 150k vocabulary are the largest of a step); from forward to backward it keeps the gradients of
+    the trained rows (N, H) and of the weight (V, H), in float32. An input that does not require grad
+    gets no gradient work. Under
     autocast the three matmuls run in the autocast dtype, as the lm_head's would; the softmax, the
     sums and the accumulated weight gradient stay in float32.
     """

@@ -440,3 +440,31 @@ def test_grpo_rejects_bad_arguments():
         grpo_loss(logps, old, ref, adv, mask, loss_type="seq")
     with pytest.raises(ValueError, match="advantages"):
         grpo_loss(logps, old, ref, adv[:2], mask)
+
+
+def test_linear_cross_entropy_works_only_for_the_inputs_that_need_a_gradient():
+    h, w, labels = lm_head_case()
+    expected_h, expected_w = torch.autograd.grad(cross_entropy(h @ w.t(), labels)[0], (h, w))
+    frozen_head = w.detach()  # e.g. a frozen lm_head
+    loss, _ = linear_cross_entropy(h, frozen_head, labels)
+    (grad_h,) = torch.autograd.grad(loss, (h,))
+    torch.testing.assert_close(grad_h, expected_h)
+    frozen_body = h.detach()
+    loss, _ = linear_cross_entropy(frozen_body, w, labels)
+    (grad_w,) = torch.autograd.grad(loss, (w,))
+    torch.testing.assert_close(grad_w, expected_w)
+
+
+def test_linear_cross_entropy_under_fp16_autocast_keeps_small_weight_gradients():
+    """The gradient matmuls stay in float32 under fp16 autocast: no softmax entry underflows to 0."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(64, 16, generator=gen, requires_grad=True)
+    w = (4 * torch.randn(512, 16, generator=gen)).requires_grad_(True)  # peaked softmax: tiny entries
+    labels = torch.randint(0, 512, (64,), generator=gen)
+    expected = torch.autograd.grad(cross_entropy(h @ w.t(), labels)[0], (w,))[0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = linear_cross_entropy(h, w, labels)[0]
+    (grad_w,) = torch.autograd.grad(loss, (w,))
+    assert grad_w.dtype == torch.float32
+    assert ((grad_w == 0) & (expected != 0)).sum() == 0
+    torch.testing.assert_close(grad_w, expected, rtol=1e-2, atol=1e-3)
