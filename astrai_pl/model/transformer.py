@@ -82,6 +82,11 @@ class Transformer(nn.Module):
         cache: KVCacheView | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final normed hidden states (B, T, hidden) and the MoE auxiliary loss (None for dense models)."""
+        return self._hidden_states(input_ids, position_ids, document_ids, cache)
+
+    def _hidden_states(self, input_ids, position_ids, document_ids, cache):
+        # The body of both `hidden_states` and `forward`: FSDP2 wraps each of the two public methods with
+        # its gather/reshard hooks (parallel.py), so neither may call the other.
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -98,7 +103,7 @@ class Transformer(nn.Module):
         return self.norm(x), (torch.stack(aux).mean() if aux else None)
 
     def forward(self, input_ids, position_ids=None, document_ids=None, cache=None) -> TransformerOutput:
-        hidden, aux = self.hidden_states(input_ids, position_ids, document_ids, cache)
+        hidden, aux = self._hidden_states(input_ids, position_ids, document_ids, cache)
         return TransformerOutput(self.lm_head(hidden), aux)
 
     # -- Hugging Face round-trip -------------------------------------------------------------------------
