@@ -136,13 +136,16 @@ class GRPO(Objective):
 
     # -- rollouts --------------------------------------------------------------------------------------
     def configure_model(self) -> None:
-        from lightning.pytorch.strategies import ModelParallelStrategy
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
-        if self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy):
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        whole = isinstance(strategy, SingleDeviceStrategy) or (
+            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy))
+        if strategy is not None and not whole:
             raise ValueError(
-                f"GRPO does not run under trainer.strategy={type(self.trainer.strategy).__name__} (FSDP2 / tensor "
-                "parallel): its rollouts decode on the whole model, step by step, on each rank. Use "
-                "trainer.strategy: ddp, or a single device")
+                f"GRPO does not run under trainer.strategy={type(strategy).__name__}, which shards the model "
+                "(FSDP, tensor parallel, DeepSpeed): its rollouts decode on the whole model, step by step, on "
+                "each rank. Use trainer.strategy: ddp, or a single device")
         super().configure_model()
 
     def rollout_engine(self, prompt_ids: list[list[int]]) -> Engine:

@@ -176,12 +176,15 @@ def test_too_few_completions_for_the_accumulation_is_an_error():
         grpo(kl_coef=0.0).roll_out(prompt_batch(), num_micro_batches=13)
 
 
-def test_fsdp2_and_tensor_parallel_are_refused_with_the_fix():
+def test_sharding_strategies_are_refused_with_the_fix():
     from types import SimpleNamespace
 
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
     module = grpo()
-    module._trainer = SimpleNamespace(strategy=ModelParallelStrategy())
-    with pytest.raises(ValueError, match="trainer.strategy: ddp"):
-        module.configure_model()
+    for strategy in (ModelParallelStrategy(), FSDPStrategy()):
+        module._trainer = SimpleNamespace(strategy=strategy)
+        with pytest.raises(ValueError, match="trainer.strategy: ddp"):
+            module.configure_model()
+    module._trainer = SimpleNamespace(strategy=DDPStrategy())  # whole model on every rank: allowed
+    module.configure_model()
