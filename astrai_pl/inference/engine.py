@@ -218,9 +218,10 @@ class Engine:
         """Evict every unused cached prefix and drop the weight copies (call after changing the weights);
         returns pages freed.
 
-        In-place updates that bump a weight's version counter (foreach and for-loop optimizers,
-        `load_state_dict`) are seen without this call; `torch.optim.AdamW(fused=True)` updates weights
-        without bumping it, so after such a step this call is what makes the engine use the new weights.
+        The call is needed after any weight change, for the cached K/V. The CPU weight copies notice
+        in-place updates that bump a weight's version counter by themselves (foreach and for-loop
+        optimizers, `load_state_dict`), but not `torch.optim.AdamW(fused=True)` or writes through
+        `param.data`, which bump none: for those this call is what makes the engine use the new weights.
         """
         if self.runner.weights is not None:
             self.runner.weights.clear()

@@ -23,10 +23,10 @@ class InputMajorWeights:
     projections that read the same input (q/k/v, gate/up) go faster still as one matmul against their
     joined copy (see docs/benchmarks.md). The inference engine keeps one of these for its model and
     activates it around its forwards (`Linear.input_major`); training never does. A copy is keyed by
-    the weight's storage and version counter, so an optimizer step or a `load_state_dict` (in-place
-    updates) makes the next forward copy the new values. Fused optimizers (`AdamW(fused=True)`) update
-    weights without bumping the counter: whoever changes weights that way calls `clear()` (the engine's
-    `reset_prefix_cache` does). The copies cost one more float of memory per weight, held by this object.
+    the weight's data pointer and version counter, so an optimizer step or a `load_state_dict` (in-place
+    updates) makes the next forward copy the new values. Fused optimizers (`AdamW(fused=True)`) and
+    writes through `param.data` update weights without bumping the counter: whoever changes weights that
+    way calls `clear()` (the engine's `reset_prefix_cache` does). The copies cost one more float of memory per weight, held by this object.
     """
 
     def __init__(self) -> None:
@@ -43,12 +43,23 @@ class InputMajorWeights:
         name = tuple(id(w) for w in weights)
         entry = self._copies.get(name)
         if entry is None or entry[1] != key or any(ref() is not w for ref, w in zip(entry[0], weights)):
-            # copies of weights that no longer exist (a model moved or reloaded) go with the stale entry
-            self._copies = {k: e for k, e in self._copies.items() if all(ref() is not None for ref in e[0])}
             joined = weights[0] if len(weights) == 1 else torch.cat(weights)
-            entry = (tuple(weakref.ref(w) for w in weights), key, joined.detach().t().contiguous())
+            refs = tuple(weakref.ref(w, self._forget(name)) for w in weights)
+            entry = (refs, key, joined.detach().t().contiguous())
             self._copies[name] = entry
         return entry[2]
+
+    def _forget(self, name: tuple[int, ...]):
+        """A weakref callback: when one of the weights dies (a model moved or reloaded), its copy goes."""
+        owner = weakref.ref(self)
+
+        def forget(dead: weakref.ref) -> None:
+            copies = owner()._copies if owner() is not None else {}
+            entry = copies.get(name)
+            if entry is not None and any(ref is dead for ref in entry[0]):
+                del copies[name]
+
+        return forget
 
     def clear(self) -> None:
         self._copies.clear()
