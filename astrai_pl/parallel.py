@@ -229,5 +229,10 @@ def configure_model(
         apply_fsdp2(model, mesh["data_parallel"], **options)
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor (tensor parallel, or an FSDP2 shard), without importing DTensor."""
+    return type(tensor).__name__ == "DTensor"
+
+
 def _has_dtensors(model: nn.Module) -> bool:
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())

@@ -50,17 +50,16 @@ class ModelRunner:
         position_ids = torch.tensor(positions, device=self.device)[None]
         with Linear.input_major(self.weights):
             hidden, _ = self.model.hidden_states(input_ids, position_ids=position_ids, cache=view)
-        ready, sample_at, end = [], [], 0
-        for req, n in plan:
-            req.num_computed += n
-            req.table_len = req.num_computed
-            end += n
-            if req.num_computed == len(req.tokens):
-                ready.append(req)
-                sample_at.append(end - 1)
-        if not ready:
-            return [], None
-        with Linear.input_major(self.weights):
+            ready, sample_at, end = [], [], 0
+            for req, n in plan:
+                req.num_computed += n
+                req.table_len = req.num_computed
+                end += n
+                if req.num_computed == len(req.tokens):
+                    ready.append(req)
+                    sample_at.append(end - 1)
+            if not ready:
+                return [], None
             return ready, self.model.lm_head(hidden[0, sample_at]).float()
 
     def _write_table(self, plan: list[tuple[Request, int]]) -> tuple[list[int], list[int], list[int]]:

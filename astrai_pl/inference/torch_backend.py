@@ -19,6 +19,7 @@ memory (at most `MIRROR_BYTES`) is kept by the engine and reused by the next mir
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -189,9 +190,7 @@ def _mirror_buffers(view: StepView, shape: tuple[int, ...]) -> tuple[torch.Tenso
     Positions past a request's length are masked but still multiplied, so they must be finite: the
     buffers start as zeros and only ever receive K/V values, so whatever a reused buffer holds is finite.
     """
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     buffers = view.scratch.get("mirror_buffers")
     if buffers is None or buffers[0].numel() < numel:
         buffers = tuple(view.storage.k.new_zeros(numel) for _ in range(2))

@@ -30,7 +30,8 @@ class InputMajorWeights:
     """
 
     def __init__(self) -> None:
-        # id(weights) -> (weak references to the weights, their (storage, version) keys, the copy)
+        # id(weights) -> (weak references to the weights, their (data pointer, version) keys, the copy).
+        # A weight's death removes its entry (`_forget`), so an id here always names a live weight.
         self._copies: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], tuple, torch.Tensor]] = {}
 
     def get(self, *weights: torch.Tensor) -> torch.Tensor | None:
@@ -42,7 +43,7 @@ class InputMajorWeights:
             return None
         name = tuple(id(w) for w in weights)
         entry = self._copies.get(name)
-        if entry is None or entry[1] != key or any(ref() is not w for ref, w in zip(entry[0], weights)):
+        if entry is None or entry[1] != key:
             joined = weights[0] if len(weights) == 1 else torch.cat(weights)
             refs = tuple(weakref.ref(w, self._forget(name)) for w in weights)
             entry = (refs, key, joined.detach().t().contiguous())
@@ -54,10 +55,10 @@ class InputMajorWeights:
         owner = weakref.ref(self)
 
         def forget(dead: weakref.ref) -> None:
-            copies = owner()._copies if owner() is not None else {}
-            entry = copies.get(name)
-            if entry is not None and any(ref is dead for ref in entry[0]):
-                del copies[name]
+            weights = owner()
+            entry = weights._copies.get(name) if weights is not None else None
+            if entry is not None and dead in entry[0]:
+                del weights._copies[name]
 
         return forget
 

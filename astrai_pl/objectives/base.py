@@ -15,7 +15,7 @@ from torchmetrics import MeanMetric
 
 from ..callbacks.checkpoint import CheckpointError, is_sharded_checkpoint, read_checkpoint
 from ..model import ModelConfig, Transformer
-from ..parallel import ActivationCheckpointing, check_activation_checkpointing, configure_model
+from ..parallel import ActivationCheckpointing, check_activation_checkpointing, configure_model, is_dtensor
 from .losses import IGNORE_INDEX, cross_entropy, linear_cross_entropy, next_token_labels
 
 
@@ -59,14 +59,6 @@ def param_groups(model: nn.Module) -> list[dict[str, Any]]:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a build without torch.distributed
-        return False
-    return isinstance(tensor, DTensor)
 
 
 class Objective(L.LightningModule, ABC):
@@ -119,7 +111,7 @@ class Objective(L.LightningModule, ABC):
         tokens = (targets != IGNORE_INDEX).sum()
         normalizer = self.accumulation_scale(batch, tokens)
         weight = self.model.lm_head.weight
-        if _is_dtensor(weight):
+        if is_dtensor(weight):
             loss, metrics = cross_entropy(self.model.lm_head(hidden), targets, label_smoothing=label_smoothing,
                                           normalizer=normalizer)
         else:

@@ -28,6 +28,17 @@ def logprobs_from_logits(
     return torch.where(scored, picked - logits.logsumexp(-1), 0.0)
 
 
+def scored_rows(
+    hidden: torch.Tensor,  # (B, T, H)
+    targets: torch.Tensor,  # (B, T), -100 where not scored
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hidden rows (N, H) and targets (N,) of the scored positions, and their flat indices (N,)."""
+    flat = targets.reshape(-1)
+    where = (flat != ignore_index).nonzero().squeeze(-1)
+    return hidden.reshape(-1, hidden.size(-1)).index_select(0, where), flat.index_select(0, where), where
+
+
 def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
                     temperature: float) -> torch.Tensor:
     logits = lm_head(hidden)  # (C, V)
@@ -60,10 +71,8 @@ def token_logprobs(
         raise ValueError(f"temperature must be > 0 (it divides the logits), got {temperature}")
     B, T = input_ids.shape
     hidden, _ = model.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids)
-    targets = torch.cat([labels[:, 1:], labels.new_full((B, 1), IGNORE_INDEX)], dim=1).reshape(-1)
-    where = (targets != IGNORE_INDEX).nonzero().squeeze(-1)  # (N,) flat indices of scored positions
-    hidden = hidden.reshape(B * T, -1)[where]  # (N, H)
-    targets = targets[where]
+    targets = torch.cat([labels[:, 1:], labels.new_full((B, 1), IGNORE_INDEX)], dim=1)
+    hidden, targets, where = scored_rows(hidden, targets)  # (N, H), (N,), flat indices of scored positions
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     chunks = []
     for start in range(0, max(len(where), 1), chunk_size):  # one empty chunk keeps the graph when N == 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .logprobs import IGNORE_INDEX, logprobs_from_logits, sequence_logprobs, token_logprobs
+from .logprobs import IGNORE_INDEX, logprobs_from_logits, scored_rows, sequence_logprobs, token_logprobs
 
 __all__ = [
     "IGNORE_INDEX", "next_token_labels", "cross_entropy", "linear_cross_entropy", "logprobs_from_logits",
@@ -103,10 +103,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad.sub_(eps / vocab)
             grad = grad.to(grad_low)
             if want_hidden:
-                if grad_low == acc:
-                    torch.mm(grad, weight_g, out=grad_hidden[start:start + chunk_size])
-                else:
-                    grad_hidden[start:start + chunk_size] = grad @ weight_g
+                grad_hidden[start:start + chunk_size] = grad @ weight_g
             if want_weight:
                 h = hidden_g[start:start + chunk_size]
                 if grad_weight is None:  # the first chunk's product is the accumulator: no zero-filled (V, H)
@@ -162,12 +159,8 @@ def linear_cross_entropy(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
-    flat_labels = labels.reshape(-1)
-    scored = flat_labels != ignore_index
-    tokens = scored.sum()
-    where = scored.nonzero().squeeze(-1)
-    rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, where)  # (N, H), trained positions only
-    targets = flat_labels.index_select(0, where)
+    rows, targets, _ = scored_rows(hidden, labels, ignore_index)  # (N, H), (N,): trained positions only
+    tokens = torch.tensor(len(targets), device=labels.device)
     device = hidden.device.type
     low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     need_grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
