@@ -56,7 +56,7 @@ def main() -> None:
     counts = {}
 
     def ours():
-        engine.reset_prefix_cache()  # fresh weights each rollout in training: nothing cached
+        engine.weights_changed()  # fresh weights each rollout in training: no cached K/V, copies remade
         outs = engine.generate(prompts, params)
         counts["ours"] = sum(len(o.token_ids) for o in outs)
 

@@ -215,21 +215,26 @@ class Engine:
         return due
 
     def reset_prefix_cache(self) -> int:
-        """Evict every unused cached prefix and drop the weight copies (call after changing the weights);
-        returns pages freed.
-
-        The call is needed after any weight change, for the cached K/V. The CPU weight copies notice
-        in-place updates that bump a weight's version counter by themselves (foreach and for-loop
-        optimizers, `load_state_dict`), but not `torch.optim.AdamW(fused=True)` or writes through
-        `param.data`, which bump none: for those this call is what makes the engine use the new weights.
-        """
-        if self.runner.weights is not None:
-            self.runner.weights.clear()
+        """Evict every unused cached prefix; returns pages freed. After changing the weights call
+        `weights_changed()` instead, which also does this."""
         if self.pool.radix is None:
             return 0
         freed = self.pool.radix.reset()
         self.pool.evicted_pages += freed
         return freed
+
+    def weights_changed(self) -> int:
+        """Forget everything computed from the old weights: the cached prefixes (their K/V) and, on CPU,
+        the weight copies. Returns pages freed. Call it after any change to the model's weights.
+
+        The CPU weight copies notice in-place updates that bump a weight's version counter by themselves
+        (foreach and for-loop optimizers, `load_state_dict`), but not `torch.optim.AdamW(fused=True)` or
+        writes through `param.data`, which bump none: for those this call is what makes the engine use the
+        new weights. The cached K/V are never checked against the weights: only this call drops them.
+        """
+        if self.runner.weights is not None:
+            self.runner.weights.clear()
+        return self.reset_prefix_cache()
 
     def step(self) -> list[Delta]:
         """Run one scheduling step; returns what every request gained."""

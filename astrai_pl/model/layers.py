@@ -26,7 +26,7 @@ class InputMajorWeights:
     the weight's data pointer and version counter, so an optimizer step or a `load_state_dict` (in-place
     updates) makes the next forward copy the new values. Fused optimizers (`AdamW(fused=True)`) and
     writes through `param.data` update weights without bumping the counter: whoever changes weights that
-    way calls `clear()` (the engine's `reset_prefix_cache` does). The copies cost one more float of memory per weight, held by this object.
+    way calls `clear()` (the engine's `weights_changed` does). The copies cost one more float of memory per weight, held by this object.
     """
 
     def __init__(self) -> None:

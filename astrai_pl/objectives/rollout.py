@@ -45,9 +45,10 @@ def sample(engine: Engine, prompt_ids: Sequence[Sequence[int]], params: Sampling
            ) -> tuple[list[Completion], float]:
     """`params.n` completions per prompt, grouped by prompt, and the seconds they took.
 
-    The prefix cache is emptied first: the weights changed since the last call, so its K/V are stale.
+    The engine forgets what it computed from earlier weights first (`Engine.weights_changed`): the
+    weights changed since the last call, so cached K/V and weight copies are stale.
     """
-    engine.reset_prefix_cache()
+    engine.weights_changed()
     start = time.perf_counter()
     completions = engine.generate([list(p) for p in prompt_ids], params)
     return completions, time.perf_counter() - start

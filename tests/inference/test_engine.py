@@ -202,12 +202,12 @@ def test_the_engine_follows_in_place_weight_updates(model, make_engine, referenc
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    engine.reset_prefix_cache()
+    engine.reset_prefix_cache()  # the cached K/V are stale; the copies follow the version counters
     [after] = engine.generate([prompt], params)
     assert after.token_ids == reference_greedy(policy, prompt, 8) != before.token_ids
 
 
-def test_reset_prefix_cache_drops_weight_copies_a_fused_optimizer_left_stale(
+def test_weights_changed_drops_weight_copies_a_fused_optimizer_left_stale(
     model, make_engine, reference_greedy, random_prompts
 ):
     """AdamW(fused=True) writes the weights without bumping their version counters."""
@@ -220,6 +220,9 @@ def test_reset_prefix_cache_drops_weight_copies_a_fused_optimizer_left_stale(
     for p in policy.parameters():
         p.grad = torch.randn_like(p)
     optimizer.step()
-    engine.reset_prefix_cache()
+    engine.reset_prefix_cache()  # the prefix cache alone: the copies stay, and are stale
+    [stale] = engine.generate([prompt], params)
+    assert stale.token_ids != reference_greedy(policy, prompt, 8)
+    engine.weights_changed()
     [after] = engine.generate([prompt], params)
     assert after.token_ids == reference_greedy(policy, prompt, 8) != before.token_ids

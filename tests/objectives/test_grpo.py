@@ -68,7 +68,7 @@ def test_the_prefix_cache_is_emptied_between_rollouts_so_new_weights_are_used(mo
             p.add_(0.05 * torch.randn_like(p))
     part = module.roll_out(batch).micro_batches[0]
     assert gap(module, part) < 1e-4
-    monkeypatch.setattr(type(module._engine), "reset_prefix_cache", lambda self: 0)
+    monkeypatch.setattr(type(module._engine), "weights_changed", lambda self: 0)
     module.roll_out(batch)
     with torch.no_grad():
         for p in module.model.parameters():
