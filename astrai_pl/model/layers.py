@@ -43,12 +43,21 @@ class InputMajorWeights:
             return None
         name = tuple(id(w) for w in weights)
         entry = self._copies.get(name)
-        if entry is None or entry[1] != key:
-            joined = weights[0] if len(weights) == 1 else torch.cat(weights)
-            refs = tuple(weakref.ref(w, self._forget(name)) for w in weights)
-            entry = (refs, key, joined.detach().t().contiguous())
-            self._copies[name] = entry
-        return entry[2]
+        if entry is not None and entry[1] == key:
+            return entry[2]
+        copy = entry[2] if entry is not None else None
+        w0 = weights[0]
+        shape = (w0.shape[1], sum(w.shape[0] for w in weights))
+        if (copy is None or copy.shape != shape or copy.dtype != w0.dtype or copy.device != w0.device
+                or copy.is_inference() and not torch.is_inference_mode_enabled()):
+            copy = w0.new_empty(shape)
+        # Written in place: a fresh tensor of the same size costs more in page faults than the copy itself.
+        with torch.no_grad():
+            for w, out in zip(weights, copy.split([w.shape[0] for w in weights], dim=1)):
+                out.copy_(w.t())
+        refs = entry[0] if entry is not None else tuple(weakref.ref(w, self._forget(name)) for w in weights)
+        self._copies[name] = (refs, key, copy)
+        return copy
 
     def _forget(self, name: tuple[int, ...]):
         """A weakref callback: when one of the weights dies (a model moved or reloaded), its copy goes."""
@@ -63,7 +72,9 @@ class InputMajorWeights:
         return forget
 
     def clear(self) -> None:
-        self._copies.clear()
+        """Treat every copy as stale: each is copied again, into its own memory, on its next use."""
+        for name, (refs, _, copy) in self._copies.items():
+            self._copies[name] = (refs, None, copy)
 
 
 _INPUT_MAJOR: ContextVar[InputMajorWeights | None] = ContextVar("astrai_pl_input_major", default=None)

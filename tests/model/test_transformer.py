@@ -136,6 +136,15 @@ def test_input_major_copies_give_the_same_logits_and_follow_weight_updates():
             updated = model(ids).logits
         torch.testing.assert_close(updated, model(ids).logits, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(updated, plain)
+        copies = {name: entry[2] for name, entry in weights._copies.items()}
+        for p in model.parameters():  # unseen by the version counters (as a fused optimizer writes)
+            p.data.mul_(2.0)
+        weights.clear()
+        with Linear.input_major(weights):
+            cleared = model(ids).logits
+        torch.testing.assert_close(cleared, model(ids).logits, rtol=1e-5, atol=1e-5)
+        # recopied into the same memory, not into new tensors
+        assert all(weights._copies[name][2] is copy for name, copy in copies.items())
     with Linear.input_major(weights):  # autograd on (training): plain nn.Linear, gradients reach the weights
         model(ids).logits.sum().backward()
     assert model.lm_head.weight.grad is not None
