@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import cpu as cpu_ops
 from .config import ModelConfig
 
 
@@ -136,6 +137,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.rms_norm_usable(x, self.weight):  # one fused pass each way (astrai_pl/ops/cpu_kernels.c)
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -246,5 +249,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, T, H, D) by the angles in cos/sin (B, T, D): x·cos + rotate_half(x)·sin."""
+    if cpu_ops.rotary_usable(x, cos, sin):  # one fused pass each way (astrai_pl/ops/cpu_kernels.c)
+        return cpu_ops.rotary(x, cos, sin)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return x * cos + rotate_half(x) * sin

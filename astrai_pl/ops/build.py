@@ -43,7 +43,24 @@ def sources() -> list[Path]:
 
 _module: ModuleType | None = None
 _error: str | None = None
-_override: bool | None = None
+
+
+class Override:
+    """A flag that tests can force inside a block: True or False, or None (detected as usual)."""
+
+    def __init__(self) -> None:
+        self.value: bool | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, value: bool | None) -> Iterator[None]:
+        previous, self.value = self.value, value
+        try:
+            yield
+        finally:
+            self.value = previous
+
+
+_override = Override()
 _fallback_logged = False
 
 
@@ -106,8 +123,8 @@ def _load() -> ModuleType:
 
 def available() -> bool:
     """True when the fused kernels run on this machine (computed once; may build them on first call)."""
-    if _override is not None:
-        return _override
+    if _override.value is not None:
+        return _override.value
     try:
         load()
     except KernelsUnavailable:
@@ -117,7 +134,7 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why the kernels cannot run here, or None when they can."""
-    if _override is False:
+    if _override.value is False:
         return "turned off by override_available(False)"
     try:
         load()
@@ -128,19 +145,15 @@ def unavailable_reason() -> str | None:
 
 def forced() -> bool | None:
     """The value set by override_available, or None when the flag is detected."""
-    return _override
+    return _override.value
 
 
 @contextlib.contextmanager
 def override_available(value: bool | None) -> Iterator[None]:
     """Force the flag inside the block: False runs the references everywhere; True runs the kernels and
     raises KernelsUnavailable where they cannot run (CPU tensors, no build); None restores detection."""
-    global _override
-    previous, _override = _override, value
-    try:
+    with _override(value):
         yield
-    finally:
-        _override = previous
 
 
 def log_fallback(op: str, reason: str) -> None:

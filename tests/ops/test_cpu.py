@@ -1,0 +1,159 @@
+"""The fused CPU kernels against the model's eager PyTorch code, and their fallbacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from astrai_pl.model import ModelConfig, Transformer
+from astrai_pl.model.layers import RMSNorm, apply_rotary
+from astrai_pl.ops import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"no fused CPU kernels here: {cpu.unavailable_reason()}")
+
+
+def eager_and_fused(fn, *inputs):
+    """fn's outputs and the gradients of every input, with the kernels off and on."""
+    results = []
+    for state in (False, None):
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        with cpu.override_available(state):
+            out = fn(*leaves)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append((out.detach(), [t.grad for t in leaves if t.requires_grad]))
+    return results
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 64), (3, 7), (1, 1, 1, 13), (2, 5, 512)])
+def test_rms_norm_matches_eager_values_and_gradients(shape):
+    torch.manual_seed(0)
+    norm = RMSNorm(shape[-1], eps=1e-5)
+    x = (3 * torch.randn(shape)).requires_grad_()
+    w = (1 + 0.5 * torch.randn(shape[-1])).requires_grad_()
+
+    (y0, (gx0, gw0)), (y1, (gx1, gw1)) = eager_and_fused(lambda x, w: _with(norm, w)(x), x, w)
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gw1, gw0, rtol=1e-4, atol=1e-4)
+
+
+def _with(norm: RMSNorm, weight: torch.Tensor) -> RMSNorm:
+    """`norm` computing with `weight` (a leaf of the test's graph) in place of its parameter."""
+    del norm.weight
+    norm.weight = weight
+    return norm
+
+
+def test_rms_norm_takes_a_non_contiguous_input_and_runs_without_autograd():
+    torch.manual_seed(1)
+    norm = RMSNorm(32)
+    x = torch.randn(6, 64)[:, :32]  # rows 64 apart
+    assert cpu.rms_norm_usable(x, norm.weight)
+    with torch.inference_mode():
+        fused = norm(x)
+        with cpu.override_available(False):
+            eager = norm(x)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,sliced", [(8, False), (2, True), (1, False)])
+def test_rotary_matches_eager_values_and_gradients(heads, sliced):
+    torch.manual_seed(2)
+    B, T, D = 2, 9, 16
+    angles = torch.randn(B, T, D // 2)
+    emb = torch.cat([angles, angles], -1)
+    cos, sin = 1.3 * emb.cos(), 1.3 * emb.sin()  # an attention factor, as YaRN scales them
+    width = heads + 3 if sliced else heads  # sliced: q taken out of a joined q/k/v projection, rows apart
+    base = torch.randn(B, T, width, D).requires_grad_()
+
+    def fn(base):
+        x = base[:, :, :heads]
+        assert x.is_contiguous() != sliced
+        return apply_rotary(x, cos, sin)
+
+    assert cpu.rotary_usable(base[:, :, :heads], cos, sin)
+
+    (y0, (g0,)), (y1, (g1,)) = eager_and_fused(fn, base)
+    torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g1, g0, rtol=1e-6, atol=1e-6)
+
+
+def test_unusable_inputs_take_the_eager_path():
+    x, w = torch.randn(2, 4, 8), torch.ones(8)
+    assert not cpu.rms_norm_usable(x.double(), w.double())
+    assert not cpu.rms_norm_usable(x.bfloat16(), w)
+    assert not cpu.rms_norm_usable(x, torch.ones(4))
+    q, cos = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 8)
+    assert not cpu.rotary_usable(q.bfloat16(), cos, cos)
+    assert not cpu.rotary_usable(q.transpose(1, 2), cos, cos)  # heads before positions
+    assert not cpu.rotary_usable(q, cos[:1], cos[:1])  # broadcast positions: eager
+    with cpu.override_available(False):
+        assert not cpu.rms_norm_usable(x, w) and cpu.unavailable_reason() == "turned off by override_available(False)"
+
+
+def test_a_model_trains_the_same_with_and_without_the_kernels():
+    """Two training steps of the debug model: losses and every gradient agree to float32 round-off."""
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for state in (False, None):
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig.from_name("debug"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        with cpu.override_available(state):
+            for _ in range(2):
+                logits = model(ids).logits
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+                loss.backward()
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        runs.append((losses, grads))
+    (l0, g0), (l1, g1) = runs
+    assert l1 == pytest.approx(l0, rel=1e-5)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_turned_off_by_the_environment_or_without_a_compiler_the_reason_is_given(tmp_path):
+    code = "from astrai_pl.ops import cpu; print(cpu.available(), '|', cpu.unavailable_reason())"
+    off = run_python(code, ASTRAI_CPU_KERNELS="0")
+    assert off.stdout.strip() == "False | turned off by ASTRAI_CPU_KERNELS=0", off.stderr
+    no_cc = run_python(code, PATH=str(tmp_path), CC="", ASTRAI_CACHE_DIR=str(tmp_path / "cache"))
+    assert no_cc.stdout.strip() == "False | no C compiler found (set CC, or install gcc)", no_cc.stderr
+
+
+def test_a_failed_build_names_the_source_and_leaves_no_library(tmp_path, monkeypatch):
+    broken = tmp_path / "cpu_kernels.c"
+    broken.write_text("this is not C;\n")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ASTRAI_CACHE_DIR", str(cache))
+    monkeypatch.setattr(cpu, "SOURCE", broken)
+    with pytest.raises(RuntimeError, match=r"compiling cpu_kernels\.c with .* failed"):
+        cpu._build()
+    assert list(cache.iterdir()) == []  # neither a library nor a half-written temporary
+
+
+def test_the_build_is_cached_under_a_name_that_changes_with_the_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASTRAI_CACHE_DIR", str(tmp_path))
+    cpu._build()
+    first = sorted(p.name for p in tmp_path.iterdir())
+    assert len(first) == 1 and first[0].startswith("cpu_kernels-") and first[0].endswith(".so")
+    cpu._build()  # found, not rebuilt
+    assert sorted(p.name for p in tmp_path.iterdir()) == first
+    changed = tmp_path / "src" / "cpu_kernels.c"
+    changed.parent.mkdir()
+    changed.write_text(cpu.SOURCE.read_text() + "\n/* another version */\n")
+    monkeypatch.setattr(cpu, "SOURCE", changed)
+    cpu._build()
+    assert len([p for p in tmp_path.iterdir() if p.suffix == ".so"]) == 2
