@@ -17,17 +17,22 @@ from .config import ModelConfig
 
 
 class InputMajorWeights:
-    """(in, out) contiguous copies of Linear weights, made on first use and remade when a weight changes.
+    """Copies of Linear weights in a layout made for the few rows of a decode step, made on first use and
+    remade when a weight changes.
 
     On CPU, a matmul of a few rows (a decode step: one row per running request) against a weight laid
     out (in, out) runs 1.5-1.8x faster than `F.linear` against the (out, in) layout it is stored in, and
     projections that read the same input (q/k/v, gate/up) go faster still as one matmul against their
-    joined copy (see docs/benchmarks.md). The inference engine keeps one of these for its model and
-    activates it around its forwards (`Linear.input_major`); training never does. A copy is keyed by
-    the weight's data pointer and version counter, so an optimizer step or a `load_state_dict` (in-place
-    updates) makes the next forward copy the new values. Fused optimizers (`AdamW(fused=True)`) and
-    writes through `param.data` update weights without bumping the counter: whoever changes weights that
-    way calls `clear()` (the engine's `weights_changed` does). The copies cost one more float of memory per weight, held by this object.
+    joined copy (see docs/benchmarks.md). Where the fused CPU kernels run (`astrai_pl.ops.cpu`), float32
+    copies are packed in 64-column panels instead, for `panel_matmul`, which streams the weights while
+    it multiplies (up to 64 rows; more rows go to PyTorch's matmul on the weights as stored). The
+    inference engine keeps one of these for its model and activates it around its forwards
+    (`Linear.input_major`); training never does. A copy is keyed by the weight's data pointer and
+    version counter, so an optimizer step or a `load_state_dict` (in-place updates) makes the next
+    forward copy the new values. Fused optimizers (`AdamW(fused=True)`) and writes through `param.data`
+    update weights without bumping the counter: whoever changes weights that way calls `clear()` (the
+    engine's `weights_changed` does). The copies cost one more float of memory per weight, held by this
+    object.
     """
 
     def __init__(self) -> None:
@@ -36,8 +41,9 @@ class InputMajorWeights:
         self._copies: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], tuple, torch.Tensor]] = {}
 
     def get(self, *weights: torch.Tensor) -> torch.Tensor | None:
-        """The (in, Σ out) copy of `weights` joined along their outputs, or None when one of them tracks no
-        version (an inference tensor, whose copy could go stale unseen)."""
+        """The copy of `weights` joined along their outputs: (in, Σ out), or panels (⌈Σ out / 64⌉, in, 64)
+        (a 3-d tensor) where the CPU kernel takes them; None when one of the weights tracks no version (an
+        inference tensor, whose copy could go stale unseen)."""
         try:
             key = tuple((w.data_ptr(), w._version) for w in weights)
         except RuntimeError:
@@ -47,15 +53,19 @@ class InputMajorWeights:
         if entry is not None and entry[1] == key:
             return entry[2]
         copy = entry[2] if entry is not None else None
-        w0 = weights[0]
-        shape = (w0.shape[1], sum(w.shape[0] for w in weights))
+        w0, out_features = weights[0], sum(w.shape[0] for w in weights)
+        panels = cpu_ops.panels_usable(w0)
+        shape = cpu_ops.panels_shape(out_features, w0.shape[1]) if panels else (w0.shape[1], out_features)
         if (copy is None or copy.shape != shape or copy.dtype != w0.dtype or copy.device != w0.device
                 or copy.is_inference() and not torch.is_inference_mode_enabled()):
-            copy = w0.new_empty(shape)
+            copy = w0.new_zeros(shape)  # zeros: a panel's padding columns are multiplied, never kept
         # Written in place: a fresh tensor of the same size costs more in page faults than the copy itself.
         with torch.no_grad():
-            for w, out in zip(weights, copy.split([w.shape[0] for w in weights], dim=1)):
-                out.copy_(w.t())
+            if panels:
+                cpu_ops.pack_panels(list(weights), copy)
+            else:
+                for w, out in zip(weights, copy.split([w.shape[0] for w in weights], dim=1)):
+                    out.copy_(w.t())
         refs = entry[0] if entry is not None else tuple(weakref.ref(w, self._forget(name)) for w in weights)
         self._copies[name] = (refs, key, copy)
         return copy
@@ -121,7 +131,13 @@ def _joined_copy(linears: tuple[Linear, ...]) -> torch.Tensor | None:
 
 
 def _through_copy(x: torch.Tensor, copy: torch.Tensor, linears: tuple[Linear, ...]) -> list[torch.Tensor]:
-    out = (x @ copy).split([linear.out_features for linear in linears], dim=-1)
+    sizes = [linear.out_features for linear in linears]
+    if copy.dim() == 3:  # panels for the CPU kernel: a few rows; a prefill's many go to the weights as stored
+        if x.numel() > cpu_ops.PANEL_MAX_ROWS * x.shape[-1] or not cpu_ops.panel_matmul_usable(x):
+            return [F.linear(x, linear.weight, linear.bias) for linear in linears]
+        out = cpu_ops.panel_matmul(x, copy, sum(sizes)).split(sizes, dim=-1)
+    else:
+        out = (x @ copy).split(sizes, dim=-1)
     return [o if linear.bias is None else o + linear.bias for o, linear in zip(out, linears)]
 
 

@@ -2,6 +2,8 @@
 
     rms_norm   RMSNorm forward and backward in one pass each over the rows (float32)
     rotary     rotary embedding (rotate-half layout) forward and backward in one pass (float32)
+    panel_matmul  a few rows times a weight packed in 64-column panels (`pack_panels`): the inference
+               engine's projections on CPU, bound by reading the weights (float32, no autograd)
 
 Eager PyTorch runs RMSNorm as five ops forward and about ten backward, and the rotary embedding as five
 each way, every one a pass over the activations into a fresh tensor; the kernels read the rows once each
@@ -40,7 +42,7 @@ from .build import Override
 log = logging.getLogger("astrai_pl.ops")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
 
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
@@ -92,7 +94,9 @@ def _build() -> ctypes.CDLL:
     lib.rms_norm_forward.argtypes = [f32, f32, f32, f32, long, long, c_float, c_int]
     lib.rms_norm_backward.argtypes = [f32, f32, f32, f32, f32, f32, long, long, c_int]
     lib.rotary.argtypes = [f32, long, f32, f32, f32, long, long, long, c_int, c_int]
-    for fn in (lib.rms_norm_forward, lib.rms_norm_backward, lib.rotary):
+    lib.panel_matmul.argtypes = [f32, long, f32, f32, long, long, long, c_int]
+    lib.pack_panels.argtypes = [f32, long, long, f32, long, c_int]
+    for fn in (lib.rms_norm_forward, lib.rms_norm_backward, lib.rotary, lib.panel_matmul, lib.pack_panels):
         fn.restype = None
     return lib
 
@@ -233,3 +237,47 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if not _needs_grad(x):
         return _rotate(x, cos.contiguous(), sin.contiguous(), backward=False)
     return _Rotary.apply(x, cos, sin)
+
+
+PANEL = 64  # columns per panel (cpu_kernels.c)
+PANEL_MAX_ROWS = 64  # above this many rows PyTorch's own matmul is as fast (see docs/inference.md)
+
+
+def panels_usable(weight: torch.Tensor) -> bool:
+    """Whether `pack_panels` takes this weight: a plain float32 CPU matrix."""
+    return (
+        type(weight) in _PLAIN and weight.device.type == "cpu" and weight.dtype == torch.float32
+        and weight.dim() == 2 and available()
+    )  # fmt: skip
+
+
+def panel_matmul_usable(x: torch.Tensor) -> bool:
+    """Whether `panel_matmul` takes this input: a plain float32 CPU tensor."""
+    return type(x) in _PLAIN and x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def panels_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    return (-(-out_features // PANEL), in_features, PANEL)
+
+
+def pack_panels(weights: list[torch.Tensor], panels: torch.Tensor) -> torch.Tensor:
+    """Write the (out, in) `weights`, joined along their outputs, into `panels` (of `panels_shape`); the
+    padding columns of the last panel are left as they are (never read into a result)."""
+    col = 0
+    for w in weights:
+        w = w.detach().contiguous()
+        load().pack_panels(_ptr(w), w.shape[0], w.shape[1], _ptr(panels), col, _threads(w.numel()))
+        col += w.shape[0]
+    return panels
+
+
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x (..., in) @ Wᵀ → (..., out_features), W packed by `pack_panels`; float32 CPU, no autograd."""
+    K = panels.shape[1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    y = x2.new_empty(x2.shape[0], out_features)
+    load().panel_matmul(_ptr(x2), x2.stride(0), _ptr(panels), _ptr(y), x2.shape[0], K, out_features,
+                        torch.get_num_threads())
+    return y.view(*x.shape[:-1], out_features)

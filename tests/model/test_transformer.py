@@ -3,6 +3,7 @@ import torch
 
 from astrai_pl.model import ConfigError, ModelConfig, Transformer
 from astrai_pl.model.layers import InputMajorWeights, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from astrai_pl.ops import cpu
 
 
 def test_rmsnorm_matches_torch_and_is_not_recentering():
@@ -115,21 +116,27 @@ def test_presets_build():
     assert abs(ModelConfig.from_name("SmolLM2-135M").num_parameters() / 134.5e6 - 1) < 0.01
 
 
-def test_input_major_copies_give_the_same_logits_and_follow_weight_updates():
+@pytest.mark.parametrize("kernels", [False, None], ids=["in-out-copies", "panels-where-the-cpu-kernels-run"])
+def test_input_major_copies_give_the_same_logits_and_follow_weight_updates(kernels):
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_name("debug", attention_bias=True)).eval()  # qkv biases too
     ids = torch.randint(0, 300, (2, 7))
     weights = InputMajorWeights()
-    with torch.no_grad():
+    panels = kernels is None and cpu.available()
+    with torch.no_grad(), cpu.override_available(kernels):
         plain = model(ids).logits
         with Linear.input_major(weights):
             joined = model(ids).logits
         layer = model.layers[0]
         # q/k/v and gate/up each go through one joined copy; o, down and the lm_head through their own
-        assert weights.get(layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                           layer.self_attn.v_proj.weight).shape == (64, 64 + 2 * 32)
+        qkv = weights.get(layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight)
+        assert qkv.shape == (cpu.panels_shape(64 + 2 * 32, 64) if panels else (64, 64 + 2 * 32))
         assert len(weights._copies) == 4 * len(model.layers) + 1
         torch.testing.assert_close(joined, plain, rtol=1e-5, atol=1e-5)
+        many = torch.randint(0, 300, (2, 40))  # 80 rows: a prefill, past what the panel kernel takes
+        plain_many = model(many).logits
+        with Linear.input_major(weights):
+            torch.testing.assert_close(model(many).logits, plain_many, rtol=1e-5, atol=1e-5)
         for p in model.parameters():  # an optimizer step: in-place updates
             p.mul_(1.5)
         with Linear.input_major(weights):
