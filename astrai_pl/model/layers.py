@@ -170,8 +170,14 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(*project(x, self.gate_proj, self.up_proj)))
+
+    @staticmethod
+    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up."""
+        if cpu_ops.swiglu_usable(gate, up):  # one fused pass each way (astrai_pl/ops/cpu_kernels.c)
+            return cpu_ops.swiglu(gate, up)
+        return F.silu(gate) * up
 
 
 # -- rotary embedding -------------------------------------------------------------------------------------

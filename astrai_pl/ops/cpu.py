@@ -2,6 +2,7 @@
 
     rms_norm   RMSNorm forward and backward in one pass each over the rows (float32)
     rotary     rotary embedding (rotate-half layout) forward and backward in one pass (float32)
+    swiglu     silu(gate) · up forward and backward in one pass (float32; its own vectorized exp)
     panel_matmul  a few rows times a weight packed in 64-column panels (`pack_panels`): the inference
                engine's projections on CPU, bound by reading the weights (float32, no autograd)
 
@@ -96,7 +97,10 @@ def _build() -> ctypes.CDLL:
     lib.rotary.argtypes = [f32, long, f32, f32, f32, long, long, long, c_int, c_int]
     lib.panel_matmul.argtypes = [f32, long, f32, f32, long, long, long, c_int]
     lib.pack_panels.argtypes = [f32, long, long, f32, long, c_int]
-    for fn in (lib.rms_norm_forward, lib.rms_norm_backward, lib.rotary, lib.panel_matmul, lib.pack_panels):
+    lib.swiglu_forward.argtypes = [f32, long, f32, long, f32, long, long, c_int]
+    lib.swiglu_backward.argtypes = [f32, f32, f32, f32, f32, long, long, c_int]
+    for fn in (lib.rms_norm_forward, lib.rms_norm_backward, lib.rotary, lib.panel_matmul, lib.pack_panels,
+               lib.swiglu_forward, lib.swiglu_backward):
         fn.restype = None
     return lib
 
@@ -237,6 +241,60 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if not _needs_grad(x):
         return _rotate(x, cos.contiguous(), sin.contiguous(), backward=False)
     return _Rotary.apply(x, cos, sin)
+
+
+def swiglu_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether `swiglu` takes these: plain float32 CPU tensors of one shape, each row dense."""
+    return (
+        all(type(t) in _PLAIN and t.device.type == "cpu" and t.dtype == torch.float32 for t in (gate, up))
+        and gate.shape == up.shape and gate.numel() > 0 and _rows(gate) is not None and _rows(up) is not None
+        and not torch.compiler.is_compiling() and available()
+    )  # fmt: skip
+
+
+def _rows(t: torch.Tensor) -> int | None:
+    """How far apart the rows of t seen as (-1, cols) are, when each row is dense and they are evenly
+    spaced (a column slice of a wider matrix qualifies); else None."""
+    if t.stride(-1) != 1:
+        return None
+    try:
+        flat = t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+    return flat.stride(0) if flat.shape[0] > 1 else t.shape[-1]
+
+
+def _swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    cols = gate.shape[-1]
+    g, u = gate.detach().view(-1, cols), up.detach().view(-1, cols)
+    out = g.new_empty(g.shape[0], cols)
+    load().swiglu_forward(_ptr(g), _rows(gate), _ptr(u), _rows(up), _ptr(out), g.shape[0], cols,
+                          _threads(out.numel()))
+    return out.view(gate.shape)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return _swiglu_forward(gate, up)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = (t.detach().contiguous() for t in ctx.saved_tensors)
+        grad = grad.contiguous()
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        load().swiglu_backward(_ptr(gate), _ptr(up), _ptr(grad), _ptr(d_gate), _ptr(d_up), 1, gate.numel(),
+                               _threads(gate.numel()))
+        return d_gate, d_up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up, float32 on CPU (check `swiglu_usable` first); e^x to within 1e-7 relative."""
+    if not _needs_grad(gate, up):
+        return _swiglu_forward(gate, up)
+    return _SwiGLU.apply(gate, up)
 
 
 PANEL = 64  # columns per panel (cpu_kernels.c)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from astrai_pl.model import ModelConfig, Transformer
-from astrai_pl.model.layers import RMSNorm, apply_rotary
+from astrai_pl.model.layers import RMSNorm, SwiGLU, apply_rotary
 from astrai_pl.ops import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"no fused CPU kernels here: {cpu.unavailable_reason()}")
@@ -157,3 +157,27 @@ def test_the_build_is_cached_under_a_name_that_changes_with_the_source(tmp_path,
     monkeypatch.setattr(cpu, "SOURCE", changed)
     cpu._build()
     assert len([p for p in tmp_path.iterdir() if p.suffix == ".so"]) == 2
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_swiglu_matches_eager_values_and_gradients(sliced):
+    """silu(gate)·up, gate and up apart or as the two halves of one joined gate/up output."""
+    torch.manual_seed(4)
+    joined = (4 * torch.randn(3, 5, 2 * 24)).requires_grad_()  # wide range: exp's tails included
+
+    def fn(joined):
+        gate, up = joined.split(24, dim=-1) if sliced else (joined[..., :24].contiguous(), joined[..., 24:] * 1.0)
+        return SwiGLU.activation(gate, up)
+
+    assert cpu.swiglu_usable(*joined.split(24, dim=-1))
+    (y0, (g0,)), (y1, (g1,)) = eager_and_fused(fn, joined)
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_at_the_ends_of_exp():
+    gate = torch.tensor([[-1e4, -100.0, -88.0, -20.0, 0.0, 20.0, 88.0, 100.0, 1e4]])
+    up = torch.ones_like(gate)
+    with torch.no_grad():
+        fused = cpu.swiglu(gate, up)
+    torch.testing.assert_close(fused, torch.nn.functional.silu(gate), rtol=1e-6, atol=1e-30)
