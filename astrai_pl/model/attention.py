@@ -7,6 +7,8 @@ otherwise attention is plain `scaled_dot_product_attention`. Layout of q/k/v is 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,6 +53,24 @@ def document_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor | No
     return torch.cumsum(position_ids == 0, dim=1)
 
 
+@functools.cache
+def _cpu_has_amx() -> bool:
+    """Whether this CPU multiplies bf16 in AMX tiles (unknown to this torch: assume it does)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return True if probe is None else bool(probe())
+
+
+def sdpa_in_float32(x: torch.Tensor) -> bool:
+    """Whether attention runs in float32 although autocast asks for bf16/fp16: on a CPU without AMX, where
+    PyTorch's 16-bit flash attention is the slower one (forward and backward of one layer of the `small`
+    preset, 4 × 256 tokens: 27.7 ms in bf16, 14.4 ms in float32 with the casts). The projections around
+    it keep autocast's dtype; attention itself is then more precise, never less."""
+    return (
+        x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") in (torch.bfloat16, torch.float16) and not _cpu_has_amx()
+    )  # fmt: skip
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -76,6 +96,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        upcast = cache is None and sdpa_in_float32(x)
+        if upcast:  # before RoPE, which promotes q and k to float32 under autocast anyway
+            q, k, v = q.float(), k.float(), v.float()
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
@@ -86,9 +109,10 @@ class Attention(nn.Module):
         if cache is not None:
             out = cache.attend(self.layer_idx, q, k, v)  # (B, T, H, D)
         else:
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=mask.mask, is_causal=mask.mask is None,
-                enable_gqa=self.n_kv_heads != self.n_heads,
-            ).transpose(1, 2)
+            with torch.autocast("cpu", enabled=False) if upcast else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                    attn_mask=mask.mask, is_causal=mask.mask is None,
+                    enable_gqa=self.n_kv_heads != self.n_heads,
+                ).transpose(1, 2)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))

@@ -178,3 +178,34 @@ def test_input_major_copies_of_replaced_weights_are_dropped():
         out = linear(x)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, linear.weight, linear.bias))
     assert len(weights._copies) == 1  # the old weight is gone, and so is its copy
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_cpu_autocast_attention_runs_in_float32_where_there_is_no_amx(monkeypatch, amx):
+    """Without AMX, 16-bit flash attention is PyTorch's slow path on CPU: attention is upcast."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from astrai_pl.model import attention
+
+    class SdpaDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in func.__name__:
+                self.dtypes.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(attention, "_cpu_has_amx", lambda: amx)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name("debug"))
+    ids = torch.randint(0, 300, (2, 12))
+    reference = model(ids).logits
+    assert not attention.sdpa_in_float32(reference)  # no autocast: nothing to decide
+    with torch.autocast("cpu", dtype=torch.bfloat16), SdpaDtypes() as seen:
+        mixed = model(ids).logits
+        mixed.float().sum().backward()
+    assert seen.dtypes == ({torch.bfloat16} if amx else {torch.float32})
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+    torch.testing.assert_close(mixed.float(), reference, rtol=0.05, atol=0.05)  # bf16 matmuls either way
