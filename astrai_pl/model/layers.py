@@ -54,7 +54,7 @@ class InputMajorWeights:
             return entry[2]
         copy = entry[2] if entry is not None else None
         w0, out_features = weights[0], sum(w.shape[0] for w in weights)
-        panels = cpu_ops.panels_usable(w0)
+        panels = all(cpu_ops.panels_usable(w) and w.shape[1] == w0.shape[1] for w in weights)
         shape = cpu_ops.panels_shape(out_features, w0.shape[1]) if panels else (w0.shape[1], out_features)
         if (copy is None or copy.shape != shape or copy.dtype != w0.dtype or copy.device != w0.device
                 or copy.is_inference() and not torch.is_inference_mode_enabled()):

@@ -15,6 +15,11 @@ hash of the source, the flags, the compiler and the CPU's feature flags, and wri
 binds to the runtime PyTorch already loaded (the same soname), and a call uses `torch.get_num_threads()`
 threads, or one for small inputs (a decode step's rows).
 
+The backward passes are not themselves differentiable: a double backward (`create_graph=True`, e.g. a
+gradient penalty) through them raises; run such code with `ASTRAI_CPU_KERNELS=0`. Under `torch.func`
+transforms, inside `torch.compile`, for tensor subclasses (DTensor) and, for `panel_matmul`, under autocast,
+the callers take their eager PyTorch code.
+
 `available()` says whether the kernels run here: a C compiler (`CC`, else cc/gcc/clang) is found and
 the build loads. `ASTRAI_CPU_KERNELS=0` turns them off; `override_available(False)` does so in a
 block (tests compare both paths). Where they cannot run, the callers use their eager PyTorch code and
@@ -76,7 +81,8 @@ def _build() -> ctypes.CDLL:
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     source = SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, errors="replace",
+                             timeout=60).stdout.splitlines()[:1]
     # -march=native code may not run on another CPU: a cache shared between machines keeps one per CPU.
     digest = hashlib.sha256(source + " ".join([*FLAGS, *version, _cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{digest}.so"
@@ -85,7 +91,7 @@ def _build() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, errors="replace", timeout=300)
             if done.returncode != 0:
                 first = (done.stderr.strip().splitlines() or ["unknown error"])[0][:300]
                 raise RuntimeError(f"compiling {SOURCE.name} with {compiler} failed: {first}")
@@ -141,13 +147,19 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not DTensor, FakeTensor or any other subclass
+_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda t: False)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor with storage the kernels can read: no subclass, no torch.func (vmap/grad) wrapper."""
+    return type(t) in _PLAIN and not _functorch_wrapped(t)
 
 
 def rms_norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` takes these: plain float32 CPU tensors (no DTensor, nothing being compiled), the
     weight one vector of the last dimension's size."""
     return (
-        type(x) in _PLAIN and type(weight) in _PLAIN and x.device.type == "cpu" and weight.device.type == "cpu"
+        _plain(x) and _plain(weight) and x.device.type == "cpu" and weight.device.type == "cpu"
         and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 1
         and x.shape[-1] == weight.shape[0] and x.numel() > 0 and not torch.compiler.is_compiling()
         and available()
@@ -166,11 +178,11 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     x2 = x.detach().reshape(-1, x.shape[-1]).contiguous()
     w = weight.detach().contiguous()
-    y = torch.empty_like(x2)
-    rstd = x2.new_empty(x2.shape[0])
+    y = x2.new_empty(x.shape)  # its final shape: a view returned by an autograd.Function could not be
+    rstd = x2.new_empty(x2.shape[0])  # modified in place
     load().rms_norm_forward(_ptr(x2), _ptr(w), _ptr(y), _ptr(rstd), x2.shape[0], x2.shape[1], eps,
                             _threads(x2.numel()))
-    return y.view(x.shape), x2, w, rstd
+    return y, x2, w, rstd
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -206,7 +218,7 @@ def rotary_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool
     """Whether `rotary` takes these: plain float32 CPU x (B, T, H, D) whose rows are dense, and cos/sin of
     shape (B, T, D)."""
     return (
-        all(type(t) in _PLAIN and t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, cos, sin))
+        all(_plain(t) and t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, cos, sin))
         and x.dim() == 4 and cos.shape == sin.shape == (*x.shape[:2], x.shape[3]) and x.shape[3] % 2 == 0
         and x.stride(3) == 1 and x.stride(2) == x.shape[3] and x.stride(0) == x.shape[1] * x.stride(1)
         and x.numel() > 0 and not torch.compiler.is_compiling() and available()
@@ -246,7 +258,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def swiglu_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether `swiglu` takes these: plain float32 CPU tensors of one shape, each row dense."""
     return (
-        all(type(t) in _PLAIN and t.device.type == "cpu" and t.dtype == torch.float32 for t in (gate, up))
+        all(_plain(t) and t.device.type == "cpu" and t.dtype == torch.float32 for t in (gate, up))
         and gate.shape == up.shape and gate.numel() > 0 and _rows(gate) is not None and _rows(up) is not None
         and not torch.compiler.is_compiling() and available()
     )  # fmt: skip
@@ -267,10 +279,10 @@ def _rows(t: torch.Tensor) -> int | None:
 def _swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     cols = gate.shape[-1]
     g, u = gate.detach().view(-1, cols), up.detach().view(-1, cols)
-    out = g.new_empty(g.shape[0], cols)
+    out = g.new_empty(gate.shape)  # its final shape, not a view (see _rms_norm_forward)
     load().swiglu_forward(_ptr(g), _rows(gate), _ptr(u), _rows(up), _ptr(out), g.shape[0], cols,
                           _threads(out.numel()))
-    return out.view(gate.shape)
+    return out
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -304,14 +316,18 @@ PANEL_MAX_ROWS = 64  # above this many rows PyTorch's own matmul is as fast (see
 def panels_usable(weight: torch.Tensor) -> bool:
     """Whether `pack_panels` takes this weight: a plain float32 CPU matrix."""
     return (
-        type(weight) in _PLAIN and weight.device.type == "cpu" and weight.dtype == torch.float32
+        _plain(weight) and weight.device.type == "cpu" and weight.dtype == torch.float32
         and weight.dim() == 2 and available()
     )  # fmt: skip
 
 
 def panel_matmul_usable(x: torch.Tensor) -> bool:
-    """Whether `panel_matmul` takes this input: a plain float32 CPU tensor."""
-    return type(x) in _PLAIN and x.device.type == "cpu" and x.dtype == torch.float32
+    """Whether `panel_matmul` takes this input: a plain float32 CPU tensor, outside autocast (which would
+    have the matmul in its own dtype)."""
+    return (
+        _plain(x) and x.device.type == "cpu" and x.dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu") and available()
+    )  # fmt: skip
 
 
 def panels_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
@@ -336,6 +352,8 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> to
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     y = x2.new_empty(x2.shape[0], out_features)
+    if x2.shape[0] == 0:
+        return y.view(*x.shape[:-1], out_features)
     load().panel_matmul(_ptr(x2), x2.stride(0), _ptr(panels), _ptr(y), x2.shape[0], K, out_features,
                         torch.get_num_threads())
     return y.view(*x.shape[:-1], out_features)

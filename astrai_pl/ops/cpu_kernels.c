@@ -88,7 +88,7 @@ void rotary(const float *x, long x_stride, const float *cos, const float *sin, f
  * y (M, N) = x (M, K) @ W^T for W (N, K), with W packed as panels (ceil(N/64), K, 64): panel p holds
  * columns 64p…64p+63, each k a contiguous run of 64 floats, so a panel is read as one stream. A tile of
  * up to 6 rows x 64 columns lives in 24 vector registers while k runs; each row block re-reads the panel
- * from L2, and while it does, it prefetches its share of the next panel into L2 (two lines a step), so
+ * from L2, and while it does, it prefetches its share of the next panel into L2 (spread over its steps), so
  * the weights stream from memory behind the arithmetic instead of ahead of it. With the few rows of a
  * decode step this is bound by reading the weights, which is what it is built to do fast. */
 typedef float vec16 __attribute__((vector_size(64), aligned(4)));
@@ -97,14 +97,12 @@ typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 
 #define DEFINE_TILE(R)                                                                                   \
     static void tile##R(const float *x, long ldx, const float *wp, float *y, long ldy, long K, long cols, \
-                        const char *pf, long pf_steps) {                                                  \
+                        const char *pf, long pf_lines, long per_step) {                                   \
         vec16 acc[R][4];                                                                                  \
         _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = (vec16){0}; \
         for (long k = 0; k < K; ++k, wp += PANEL) {                                                       \
-            if (k < pf_steps) {                                                                           \
-                __builtin_prefetch(pf + k * 128, 0, 2);                                                   \
-                __builtin_prefetch(pf + k * 128 + 64, 0, 2);                                              \
-            }                                                                                             \
+            for (long l = k * per_step; l < (k + 1) * per_step && l < pf_lines; ++l)                     \
+                __builtin_prefetch(pf + l * 64, 0, 2);                                                    \
             const vec16 b0 = *(const vec16 *)wp, b1 = *(const vec16 *)(wp + 16);                          \
             const vec16 b2 = *(const vec16 *)(wp + 32), b3 = *(const vec16 *)(wp + 48);                   \
             _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                         \
@@ -131,27 +129,29 @@ DEFINE_TILE(5)
 DEFINE_TILE(6)
 
 void panel_matmul(const float *x, long ldx, const float *panels, float *y, long M, long K, long N, int threads) {
+    if (M <= 0 || K <= 0 || N <= 0) return;
     const long num_panels = (N + PANEL - 1) / PANEL, panel_size = (long)PANEL * K;
     const long lines = panel_size * (long)sizeof(float) / 64, passes = (M + TILE_ROWS - 1) / TILE_ROWS;
     const long share = (lines + passes - 1) / passes; /* lines of the next panel each row block prefetches */
+    const long per_step = (share + K - 1) / K;        /* spread over its K steps */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long p = 0; p < num_panels; ++p) {
         const float *wp = panels + p * panel_size;
-        const char *next = (const char *)(panels + (p + 1 < num_panels ? p + 1 : p) * panel_size);
+        const int last = p + 1 == num_panels;
+        const char *next = (const char *)(panels + (p + 1) * panel_size);
         const long cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
         for (long pass = 0, m0 = 0; m0 < M; m0 += TILE_ROWS, ++pass) {
-            long first = pass * share, todo = lines - first < share ? lines - first : share;
-            const long steps = todo > 0 ? (todo + 1) / 2 : 0;
+            const long first = pass * share, todo = last ? 0 : (lines - first < share ? lines - first : share);
             const float *xx = x + m0 * ldx;
             float *yy = y + m0 * N + p * PANEL;
-            const char *pf = next + first * 64;
+            const char *pf = last ? (const char *)wp : next + first * 64; /* the last panel prefetches nothing */
             switch (M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS) {
-                case 1: tile1(xx, ldx, wp, yy, N, K, cols, pf, steps); break;
-                case 2: tile2(xx, ldx, wp, yy, N, K, cols, pf, steps); break;
-                case 3: tile3(xx, ldx, wp, yy, N, K, cols, pf, steps); break;
-                case 4: tile4(xx, ldx, wp, yy, N, K, cols, pf, steps); break;
-                case 5: tile5(xx, ldx, wp, yy, N, K, cols, pf, steps); break;
-                default: tile6(xx, ldx, wp, yy, N, K, cols, pf, steps); break;
+                case 1: tile1(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
+                case 2: tile2(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
+                case 3: tile3(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
+                case 4: tile4(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
+                case 5: tile5(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
+                default: tile6(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
             }
         }
     }

@@ -181,3 +181,28 @@ def test_swiglu_at_the_ends_of_exp():
     with torch.no_grad():
         fused = cpu.swiglu(gate, up)
     torch.testing.assert_close(fused, torch.nn.functional.silu(gate), rtol=1e-6, atol=1e-30)
+
+
+def test_outputs_can_be_changed_in_place_and_torch_func_takes_the_eager_path():
+    norm, x = RMSNorm(8), torch.randn(3, 8, requires_grad=True)
+    for out in (norm(x), SwiGLU.activation(x, 2 * x)):  # not views of a tensor made inside the Function
+        out.add_(1).sum().backward()
+    batch = torch.randn(4, 3, 8)
+    with torch.no_grad():  # vmap's tensors have no storage of their own: eager PyTorch runs them
+        torch.testing.assert_close(torch.func.vmap(norm)(batch), norm(batch))
+    row = batch[0].clone().requires_grad_()
+    grad = torch.func.grad(lambda t: norm(t).sum())(row)
+    torch.testing.assert_close(grad, torch.autograd.grad(norm(row).sum(), row)[0])
+
+
+def test_panel_matmul_takes_empty_inputs_and_leaves_autocast_to_pytorch():
+    from astrai_pl.model.layers import InputMajorWeights, Linear
+
+    linear, weights = Linear(16, 8), InputMajorWeights()
+    with torch.no_grad(), Linear.input_major(weights):
+        assert linear(torch.randn(0, 16)).shape == (0, 8)
+        assert weights.get(linear.weight).dim() == 3  # panels
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert linear(torch.randn(4, 16)).dtype == torch.bfloat16  # autocast's matmul, as F.linear
+    with torch.no_grad():
+        assert cpu.panel_matmul(torch.randn(0, 16), weights.get(linear.weight), 8).shape == (0, 8)
