@@ -150,20 +150,19 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not DTensor, FakeTensor or any ot
 _functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda t: False)
 
 
-def _plain(t: torch.Tensor) -> bool:
-    """A tensor with storage the kernels can read: no subclass, no torch.func (vmap/grad) wrapper."""
-    return type(t) in _PLAIN and not _functorch_wrapped(t)
+def _takes(*tensors: torch.Tensor) -> bool:
+    """What every kernel asks of its tensors: float32 on CPU with storage the C code can read (no subclass
+    such as DTensor, no torch.func wrapper), not while torch.compile traces, and the library built."""
+    return (
+        all(type(t) in _PLAIN and not _functorch_wrapped(t) and t.device.type == "cpu"
+            and t.dtype == torch.float32 for t in tensors)
+        and not torch.compiler.is_compiling() and available()
+    )  # fmt: skip
 
 
 def rms_norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `rms_norm` takes these: plain float32 CPU tensors (no DTensor, nothing being compiled), the
-    weight one vector of the last dimension's size."""
-    return (
-        _plain(x) and _plain(weight) and x.device.type == "cpu" and weight.device.type == "cpu"
-        and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 1
-        and x.shape[-1] == weight.shape[0] and x.numel() > 0 and not torch.compiler.is_compiling()
-        and available()
-    )  # fmt: skip
+    """Whether `rms_norm` takes these: see `_takes`, and the weight one vector of the last dimension's size."""
+    return weight.dim() == 1 and x.shape[-1] == weight.shape[0] and x.numel() > 0 and _takes(x, weight)
 
 
 def _threads(numel: int) -> int:
@@ -190,7 +189,6 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         y, x2, w, rstd = _rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x2, w, rstd)
-        ctx.shape = x.shape
         return y
 
     @staticmethod
@@ -204,7 +202,7 @@ class _RMSNorm(torch.autograd.Function):
         load().rms_norm_backward(_ptr(x2), _ptr(w), _ptr(rstd), _ptr(g), _ptr(gx), _ptr(parts),
                                  x2.shape[0], x2.shape[1], threads)
         grad_w = parts.sum(0) if ctx.needs_input_grad[1] else None
-        return gx.view(ctx.shape), grad_w, None
+        return gx.view(grad.shape), grad_w, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -215,13 +213,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotary_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether `rotary` takes these: plain float32 CPU x (B, T, H, D) whose rows are dense, and cos/sin of
-    shape (B, T, D)."""
+    """Whether `rotary` takes these: see `_takes`; x (B, T, H, D) whose rows are dense, cos/sin (B, T, D)."""
     return (
-        all(_plain(t) and t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, cos, sin))
-        and x.dim() == 4 and cos.shape == sin.shape == (*x.shape[:2], x.shape[3]) and x.shape[3] % 2 == 0
+        x.dim() == 4 and cos.shape == sin.shape == (*x.shape[:2], x.shape[3]) and x.shape[3] % 2 == 0
         and x.stride(3) == 1 and x.stride(2) == x.shape[3] and x.stride(0) == x.shape[1] * x.stride(1)
-        and x.numel() > 0 and not torch.compiler.is_compiling() and available()
+        and x.numel() > 0 and _takes(x, cos, sin)
     )  # fmt: skip
 
 
@@ -256,11 +252,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def swiglu_usable(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Whether `swiglu` takes these: plain float32 CPU tensors of one shape, each row dense."""
+    """Whether `swiglu` takes these: see `_takes`; one shape, each row dense."""
     return (
-        all(_plain(t) and t.device.type == "cpu" and t.dtype == torch.float32 for t in (gate, up))
-        and gate.shape == up.shape and gate.numel() > 0 and _rows(gate) is not None and _rows(up) is not None
-        and not torch.compiler.is_compiling() and available()
+        gate.shape == up.shape and gate.numel() > 0 and _rows(gate) is not None and _rows(up) is not None
+        and _takes(gate, up)
     )  # fmt: skip
 
 
@@ -314,20 +309,14 @@ PANEL_MAX_ROWS = 64  # above this many rows PyTorch's own matmul is as fast (see
 
 
 def panels_usable(weight: torch.Tensor) -> bool:
-    """Whether `pack_panels` takes this weight: a plain float32 CPU matrix."""
-    return (
-        _plain(weight) and weight.device.type == "cpu" and weight.dtype == torch.float32
-        and weight.dim() == 2 and available()
-    )  # fmt: skip
+    """Whether `pack_panels` takes this weight: see `_takes`, a matrix."""
+    return weight.dim() == 2 and _takes(weight)
 
 
 def panel_matmul_usable(x: torch.Tensor) -> bool:
-    """Whether `panel_matmul` takes this input: a plain float32 CPU tensor, outside autocast (which would
-    have the matmul in its own dtype)."""
-    return (
-        _plain(x) and x.device.type == "cpu" and x.dtype == torch.float32
-        and not torch.is_autocast_enabled("cpu") and available()
-    )  # fmt: skip
+    """Whether `panel_matmul` takes this input: see `_takes`, outside autocast (which would have the matmul
+    in its own dtype)."""
+    return not torch.is_autocast_enabled("cpu") and _takes(x)
 
 
 def panels_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
@@ -352,8 +341,7 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> to
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     y = x2.new_empty(x2.shape[0], out_features)
-    if x2.shape[0] == 0:
-        return y.view(*x.shape[:-1], out_features)
-    load().panel_matmul(_ptr(x2), x2.stride(0), _ptr(panels), _ptr(y), x2.shape[0], K, out_features,
-                        torch.get_num_threads())
+    if x2.shape[0]:
+        load().panel_matmul(_ptr(x2), x2.stride(0), _ptr(panels), _ptr(y), x2.shape[0], K, out_features,
+                            torch.get_num_threads())
     return y.view(*x.shape[:-1], out_features)
