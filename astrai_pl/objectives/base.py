@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import numbers
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from ..callbacks.checkpoint import CheckpointError, is_sharded_checkpoint, read_checkpoint
-from ..model import ModelConfig, Transformer
+from ..model import ConfigError, ModelConfig, Transformer
 from ..parallel import ActivationCheckpointing, check_activation_checkpointing, configure_model, is_dtensor
 from .losses import IGNORE_INDEX, cross_entropy, linear_cross_entropy, next_token_labels
 
@@ -41,6 +42,27 @@ def load_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> 
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     model.load_state_dict(state)
     return model
+
+
+def check_accumulation(k: Any) -> int:
+    """`k` when it is a whole number >= 1: Lightning divides every micro-batch loss by it, so 0 divides by zero
+    and a negative k turns the loss around and training climbs it."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ConfigError(f"trainer.accumulate_grad_batches={k!r}: must be a whole number >= 1 (the micro-batches "
+                          "summed into each optimizer step); set it to 1, or to the micro-batches per step")
+    return int(k)
+
+
+def context_limit(arch: ModelConfig) -> int | None:
+    """Most positions the model is configured for: max_position_embeddings, or with linear, yarn or llama3 RoPE
+    scaling `factor` × its original length when that is more; None under dynamic NTK, which rescales to any length."""
+    kind = arch.rope_type
+    if kind == "dynamic":
+        return None
+    if kind == "default":
+        return arch.max_position_embeddings
+    original = arch.rope_scaling.get("original_max_position_embeddings") or arch.max_position_embeddings
+    return max(arch.max_position_embeddings, int(float(arch.rope_scaling["factor"]) * original))
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -87,6 +109,49 @@ class Objective(L.LightningModule, ABC):
         # The model shape travels as a plain dict, so checkpoints load with weights_only=True; it is the
         # shape of the model actually trained, also when it came from init_from (arch None).
         checkpoint.setdefault("hyper_parameters", {})["arch"] = self.arch.to_dict()
+
+    # -- before step 1: what this model cannot train on is refused -----------------------------------------
+    def setup(self, stage: str) -> None:
+        """Refuse a trainer or data module this model cannot run on: an accumulation that is not >= 1 (fit), a
+        tokenizer with more ids than the embedding has rows, sequences longer than the model's positions."""
+        if stage == "fit":
+            check_accumulation(self.trainer.accumulate_grad_batches)
+        datamodule = self.trainer.datamodule
+        self.check_vocabulary(getattr(datamodule, "tokenizer", None) or self.tokenizer)
+        self.check_sequence_length(self.longest_sequence(datamodule))
+
+    def longest_sequence(self, datamodule: Any) -> tuple[str, int] | None:
+        """The config field that bounds the longest sequence this objective runs on, and its value."""
+        hparams = getattr(datamodule, "hparams", {})
+        for name in ("seq_len", "max_seq_len"):
+            if name in hparams:
+                return f"data.init_args.{name}", int(hparams[name])
+        return None
+
+    def check_vocabulary(self, tokenizer: Any) -> None:
+        """ConfigError when the tokenizer has ids that the model's embedding has no row for."""
+        n = getattr(tokenizer, "vocab_size", None)
+        if n is not None and n > self.arch.vocab_size:
+            raise ConfigError(f"{self._arch_field('vocab_size')}: smaller than the {n} ids of the tokenizer "
+                              "(data.init_args.tokenizer), whose ids past it would index beyond the embedding; "
+                              f"give the model a vocab_size of at least {n}, or use the model's own tokenizer")
+
+    def check_sequence_length(self, longest: tuple[str, int] | None) -> None:
+        """ConfigError when `longest` (field, tokens) exceeds the positions the model is configured for."""
+        limit = context_limit(self.arch)
+        if longest is not None and limit is not None and longest[1] > limit:
+            field, n = longest
+            raise ConfigError(f"{field}={n}: longer than the {limit} positions of the model "
+                              f"({self._arch_field('max_position_embeddings')}); set {field} to at most {limit}, "
+                              "or use a model with a longer context")
+
+    def _arch_field(self, name: str) -> str:
+        """How a config names this model's `name` and its value: an arch field, or a property of init_from."""
+        init_from = getattr(self, "hparams", {}).get("init_from")
+        value = getattr(self.arch, name)
+        if init_from:
+            return f"{name}={value} of the model in model.init_args.init_from={init_from!r}"
+        return f"model.init_args.arch.{name}={value}"
 
     def configure_model(self) -> None:
         """Tensor parallel, activation checkpointing, compile and FSDP2, as configured (astrai_pl/parallel.py)."""
@@ -190,8 +255,11 @@ class Objective(L.LightningModule, ABC):
         window = batch.get(key) if self.training else None
         if window is None:
             return tokens.clamp(min=1)
-        k = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
-        return torch.as_tensor(window, dtype=torch.float32, device=tokens.device) / k
+        return torch.as_tensor(window, dtype=torch.float32, device=tokens.device) / self.accumulation_steps()
+
+    def accumulation_steps(self) -> int:
+        """The trainer's accumulate_grad_batches (K), checked; 1 without a trainer."""
+        return check_accumulation(self.trainer.accumulate_grad_batches) if self._trainer is not None else 1
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)

@@ -211,9 +211,17 @@ class GRPO(Objective):
                 "Check the reward functions (train/rewards/*/mean), make the task easier for this model (or "
                 "fine-tune it first), or raise group_size or temperature.")
 
+    def longest_sequence(self, datamodule: Any) -> tuple[str, int] | None:
+        """A prompt of max_prompt_len tokens and its longest completion."""
+        prompt = getattr(datamodule, "hparams", {}).get("max_prompt_len")
+        if prompt is None:
+            return "model.init_args.max_completion_length", self.hparams.max_completion_length
+        return ("data.init_args.max_prompt_len + model.init_args.max_completion_length",
+                int(prompt) + self.hparams.max_completion_length)
+
     # -- training ----------------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
-        k = self.trainer.accumulate_grad_batches
+        k = self.accumulation_steps()
         position = batch_idx % (self.hparams.num_iterations * k)  # μ·k micro-steps per rollout
         if self.rollout is None or position == 0:
             self.rollout = self.roll_out(batch, k)
