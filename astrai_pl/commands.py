@@ -25,6 +25,7 @@ import torch
 
 from .callbacks.checkpoint import is_sharded_checkpoint, write_atomically
 from .data.pretrain import load_tokenizer
+from .data.rows import decode_line
 from .inference import CapacityError, Engine, InferenceError, SamplingParams, SamplingParamsError, Session
 from .model.config import ConfigError
 from .model.hf import CheckpointError
@@ -155,13 +156,13 @@ def read_prompts(path: str | Path, tokenizer: Tokenizer, chat_template: bool, ad
                  max_context: int) -> list[tuple[dict[str, Any], list[int]]]:
     """Every non-blank line of a JSONL file with its prompt ids; a bad line raises CommandError naming it."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             where = f"{path}:{number}"
             try:
-                row = json.loads(line)
+                row = json.loads(decode_line(raw))
                 ids = prompt_ids(row, tokenizer, chat_template, add_special_tokens)
             except json.JSONDecodeError as err:
                 raise CommandError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); "

@@ -16,7 +16,7 @@ import lightning as L
 
 from .preprocess import Section
 from .pretrain import default_cache_dir, load_tokenizer
-from .rows import check_policy
+from .rows import check_policy, require_rows
 from .sources import Arithmetic, Encoded, encode_splits, model_vocab_size, plain, resolve_sections
 
 
@@ -95,6 +95,11 @@ class RowsData(L.LightningDataModule):
     def _build(self, splits: dict[str, Encoded]) -> None:
         """Set `train_set` and `val_set` from the encoded, checked splits."""
         raise NotImplementedError
+
+    def _require(self, count: int, what: str, encoded: Encoded) -> None:
+        """Stop before training when a split is left with nothing (`what`: e.g. "train rows"), saying
+        how many rows were dropped for what."""
+        require_rows(count, what, encoded.name, encoded.dropped)
 
     def held_out_problems(self, n: int | None = None):
         """The arithmetic problems of the held-out rows (path None), for generation-based evaluation."""

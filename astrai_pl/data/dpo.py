@@ -123,40 +123,43 @@ class DPOData(RowsData):
                          num_proc, num_workers, cache_dir, seed, synthetic)
 
     def _build(self, splits: dict[str, Encoded]) -> None:
-        self.train_set, self.val_set = (self._trainable(splits[name]) for name in ("train", "val"))
+        self.train_set, self.val_set = (self._trainable(name, splits[name]) for name in ("train", "val"))
         for side in SIDES:
             announce(f"DPOData: a training pair, {side} (trained tokens in [[ ]]):",
                      describe_example(self.train_set, self.tokenizer, 0, f"{side}_input_ids", f"{side}_loss_mask"))
 
-    def _trainable(self, encoded: Encoded) -> Dataset:
+    def _trainable(self, name: str, encoded: Encoded) -> Dataset:
         """Pairs whose two responses each keep a trained token within max_seq_len (and fit it, for 'drop')."""
         hp = self.hparams
         keep = None
         for side in SIDES:
-            kept = check_trained_tokens(encoded.rows, hp.max_seq_len, "none", "right", source=encoded.name,
-                                        lines=encoded.lines, on_bad_row=hp.on_bad_row, mask_column=f"{side}_loss_mask")
+            kept = check_trained_tokens(encoded.rows, hp.max_seq_len, "none", hp.truncation, source=encoded.name,
+                                        lines=encoded.lines, on_bad_row=hp.on_bad_row, mask_column=f"{side}_loss_mask",
+                                        dropped=encoded.dropped)
             keep = kept if keep is None else np.intersect1d(keep, kept)
         if hp.truncation == "drop":
             longest = np.maximum(*(row_lengths(encoded.rows, f"{side}_input_ids") for side in SIDES))
             dropped = int((longest > hp.max_seq_len).sum())
             announce(f"DPOData {encoded.name}: {dropped} pair(s) longer than max_seq_len={hp.max_seq_len} dropped")
+            encoded.dropped[f"longer than max_seq_len={hp.max_seq_len} (truncation='drop')"] += dropped
             keep = np.intersect1d(keep, np.flatnonzero(longest <= hp.max_seq_len))
-        keep = np.setdiff1d(keep, self._identical(encoded))
+        keep = np.setdiff1d(keep, self._identical(encoded, keep))
+        self._require(len(keep), f"{name} pairs", encoded)
         rows = encoded.rows if len(keep) == len(encoded.rows) else encoded.rows.select(keep)
         return rows.add_column("row_index", np.arange(len(rows)))
 
-    def _identical(self, encoded: Encoded) -> np.ndarray:
-        """Pairs whose chosen equals their rejected: a DataError, or (on_bad_row='skip') dropped and counted."""
-        same = identical_pairs(encoded.rows, self.hparams.max_seq_len)
+    def _identical(self, encoded: Encoded, keep: np.ndarray) -> np.ndarray:
+        """Pairs of `keep` whose chosen equals their rejected: a DataError, or (on_bad_row='skip') dropped and
+        counted."""
+        same = np.intersect1d(identical_pairs(encoded.rows, self.hparams.max_seq_len), keep)
         if len(same) and self.hparams.on_bad_row == "error":
-            i = int(same[0])
-            line, unit = (encoded.lines[i], "line") if encoded.lines is not None else (i + 1, "row")
             raise DataError(
                 f"chosen and rejected are the same once cut to max_seq_len={self.hparams.max_seq_len} "
                 f"({len(same)} pair(s) like this); such a pair has no preference to learn",
                 "rejected", "fix or remove the pair, raise max_seq_len if they differ only past it, "
-                "or pass on_bad_row='skip'", encoded.name, line, unit)
-        log_skipped([f"row {i + 1}: chosen equals rejected" for i in same], encoded.name)
+                "or pass on_bad_row='skip'").at_row(encoded.name, encoded.lines, int(same[0]))
+        log_skipped([f"row {i + 1}: chosen equals rejected" for i in same], encoded.name, encoded.dropped,
+                    ["chosen equals rejected"] * len(same))
         return same
 
     def _loader(self, dataset: Dataset, **kwargs) -> DataLoader:

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 from .base import RowsData
 from .packing import row_lengths
 from .preprocess import Section
-from .sources import Arithmetic, Encoded, announce, train_sampler
+from .rows import DataError, log_skipped
+from .sources import Arithmetic, Encoded, announce, reward_fields, train_sampler
 
 PROMPT_TRUNCATIONS = ("left", "drop")
 
@@ -34,6 +35,9 @@ class GRPOData(RowsData):
     """Prompts for GRPO rollouts: rows `prompt` (text or messages) plus any columns rewards read.
 
     A batch is a dict of lists: `prompt_ids`, `prompt_text` and the rows' own columns (`answer`, …).
+    When the trainer fits an objective with reward functions, every row must hold each field they
+    require (a parameter without a default, such as `answer`): a row without one is an error naming
+    its file, line and field before step 1 (or, with on_bad_row='skip', dropped and counted).
     """
 
     kind = "grpo"
@@ -101,7 +105,7 @@ class GRPOData(RowsData):
         )
 
     def _build(self, splits: dict[str, Encoded]) -> None:
-        self.train_set, self.val_set = (self._fit(splits[name]) for name in ("train", "val"))
+        self.train_set, self.val_set = (self._fit(name, splits[name]) for name in ("train", "val"))
         first = self.train_set[0]
         extra = {k: v for k, v in first.items() if k not in ("prompt_ids", "prompt")}
         announce(
@@ -109,17 +113,36 @@ class GRPOData(RowsData):
             f"{self.tokenizer.decode(first['prompt_ids'])}\n{extra}",
         )
 
-    def _fit(self, encoded: Encoded) -> Dataset:
-        """Prompts cut to max_prompt_len from the left, or dropped ('drop')."""
-        limit, rows = self.hparams.max_prompt_len, encoded.rows
+    def _fit(self, name: str, encoded: Encoded) -> Dataset:
+        """Prompts with the fields the rewards read, cut to max_prompt_len from the left or dropped ('drop')."""
+        limit, rows = self.hparams.max_prompt_len, self._with_reward_fields(encoded)
         long = np.flatnonzero(row_lengths(rows, "prompt_ids") > limit)
-        if not len(long):
-            return rows
-        what = "dropped" if self.hparams.truncation == "drop" else "cut from the left"
-        announce(f"GRPOData {encoded.name}: {len(long)} prompt(s) longer than max_prompt_len={limit} {what}")
-        if self.hparams.truncation == "drop":
-            return rows.select(np.setdiff1d(np.arange(len(rows)), long))
-        return rows.map(_cut_left, batched=True, fn_kwargs={"max_len": limit}, desc="cutting long prompts")
+        if len(long):
+            what = "dropped" if self.hparams.truncation == "drop" else "cut from the left"
+            announce(f"GRPOData {encoded.name}: {len(long)} prompt(s) longer than max_prompt_len={limit} {what}")
+        if len(long) and self.hparams.truncation == "drop":
+            encoded.dropped[f"longer than max_prompt_len={limit} (truncation='drop')"] += len(long)
+            rows = rows.select(np.setdiff1d(np.arange(len(rows)), long))
+        elif len(long):
+            rows = rows.map(_cut_left, batched=True, fn_kwargs={"max_len": limit}, desc="cutting long prompts")
+        self._require(len(rows), f"{name} prompts", encoded)
+        return rows
+
+    def _with_reward_fields(self, encoded: Encoded) -> Dataset:
+        """The rows that hold every field the reward functions require (others: error, or skipped)."""
+        rows, missing = encoded.rows, {}
+        for field, func in reward_fields(self.trainer).items():
+            values = rows[field] if field in rows.column_names else [None] * len(rows)
+            lacking = [i for i, v in enumerate(values) if v is None]
+            for i in lacking:
+                missing.setdefault(i, DataError(
+                    f"missing field (reward function {func} reads it; {len(lacking)} row(s) lack it)", field,
+                    f"give every row '{field}', drop {func} from model.init_args.reward_funcs, or pass "
+                    "on_bad_row='skip'").at_row(encoded.name, encoded.lines, i))
+        if missing and self.hparams.on_bad_row == "error":
+            raise missing[min(missing)]
+        log_skipped([missing[i] for i in sorted(missing)], encoded.name, encoded.dropped)
+        return rows.select(np.setdiff1d(np.arange(len(rows)), list(missing))) if missing else rows
 
     def _loader(self, dataset: Dataset, **kwargs) -> DataLoader:
         return DataLoader(

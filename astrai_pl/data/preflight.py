@@ -23,7 +23,7 @@ from .preprocess import (
     render_message,
     section_pieces,
 )
-from .rows import DataError, check_policy, log_skipped
+from .rows import DataError, Dropped, check_policy, log_skipped
 
 log = logging.getLogger(__name__)
 
@@ -167,15 +167,11 @@ def check_bos_once(
     doubled = starts[(values[starts] == bos) & (values[starts + 1] == bos)]
     if len(doubled):
         i = int(np.searchsorted(offsets, doubled[0], side="right")) - 1
-        line, unit = (lines[i], "line") if lines is not None else (i + 1, "row")
         raise DataError(
             f"the row starts with BOS twice ({len(doubled)} row(s) do)",
             ids_column,
             "drop the BOS from the chat template or the text; BOS is added once, before the first message",
-            source,
-            line,
-            unit,
-        )
+        ).at_row(source, lines, i)
 
 
 def trained_targets(
@@ -211,31 +207,59 @@ def check_trained_tokens(
     lines: Sequence[int] | None = None,
     on_bad_row: str = "error",
     mask_column: str = "loss_mask",
+    sections: Sequence[Section] | None = None,
+    dropped: Dropped | None = None,
 ) -> np.ndarray:
     """Indices of the rows to keep: those with >= 1 trained target once they fit max_seq_len. A row left
-    with none raises DataError, or with on_bad_row='skip' is left out (counted and logged)."""
+    with none raises DataError — saying so when the row trains nothing at any length (a missing turn of
+    a role that trains, named from `sections`) — or with on_bad_row='skip' is left out (counted into
+    `dropped` and logged)."""
     check_policy(on_bad_row)
     names = rows.column_names if hasattr(rows, "column_names") else (list(rows[0]) if len(rows) else [])
     if mask_column not in names:
         return np.arange(len(rows))  # no mask: every token trains
     counts = trained_targets(rows, max_seq_len, packing, truncation, mask_column)
     bad = np.flatnonzero(counts == 0)
-    if len(bad) and on_bad_row == "error":
-        i = int(bad[0])
-        line, unit = (lines[i], "line") if lines is not None else (i + 1, "row")
-        raise DataError(
-            f"no trained token left once the row fits max_seq_len={max_seq_len} (packing={packing}, "
-            f"truncation={truncation}; {len(bad)} row(s) like this)",
-            mask_column,
-            "raise max_seq_len, use truncation 'left' or packing 'bfd_split', shorten the prompt, "
-            "check the roles' train/mask rules, or pass on_bad_row='skip'",
-            source,
-            line,
-            unit,
-        )
     if len(bad):
-        log_skipped([f"row {i + 1}: no trained token left" for i in bad], source)
+        never = trained_targets(rows, max_seq_len, "bfd_split", mask_column=mask_column)[bad] == 0
+        untrained = _untrained_row(sections, mask_column, int(never.sum()))
+        cut = DataError(
+            f"no trained token left once the row fits max_seq_len={max_seq_len} (packing={packing}, "
+            f"truncation={truncation}; {int((~never).sum())} row(s) like this)",
+            mask_column,
+            "raise max_seq_len, use truncation 'left' or packing 'bfd_split', shorten the prompt, check the "
+            "roles' train/mask rules, or pass on_bad_row='skip'",
+        )
+        shown = len(bad) if on_bad_row == "skip" else 1
+        errors = [(untrained if never[j] else cut).at_row(source, lines, int(bad[j])) for j in range(shown)]
+        if on_bad_row == "error":
+            raise errors[0]
+        log_skipped(errors, source, dropped)
     return np.flatnonzero(counts != 0)
+
+
+def _trained_parts(sections: Sequence[Section]) -> dict[str, str]:
+    """Field -> what in it trains: "an assistant message" (template sections) or "text"."""
+    parts = {}
+    for s in sections:
+        roles = [r for r, action in s.roles.items() if action == "train"]
+        if s.template and roles:
+            parts[s.field] = f"{'/'.join(roles)} message"
+        elif not s.template and s.action == "train":
+            parts[s.field] = "text"
+    return parts
+
+
+def _untrained_row(sections: Sequence[Section] | None, mask_column: str, count: int) -> DataError:
+    """A row that trains no token at any length: the turn (or text) that would train is missing."""
+    parts = _trained_parts(sections or ())
+    what = " or ".join(f"{kind} in '{field}'" for field, kind in parts.items())
+    return DataError(
+        f"the row trains no token: it has no {what or 'turn of a role that trains'} ({count} row(s) like this)",
+        next(iter(parts), mask_column),
+        "add the missing turn (e.g. the assistant's answer), check the sections' train/mask rules, "
+        "or pass on_bad_row='skip'",
+    )
 
 
 def describe_example(

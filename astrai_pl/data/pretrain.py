@@ -1,4 +1,8 @@
-"""PretrainData: fixed-length token windows over a corpus tokenized once with `datasets` and cached."""
+"""PretrainData: fixed-length token windows over a corpus tokenized once with `datasets` and cached.
+
+The cache is keyed by the corpus's content (`files.source_fingerprint`), the tokenizer and the window
+settings, so a corpus edited in place is tokenized again.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +19,9 @@ from torch.utils.data import DataLoader
 
 from ..tokenizer import Tokenizer
 from .corpus import corpus_version, embedded_documents, is_held_out
+from .files import FILE_LOADERS, load_file, source_fingerprint
+from .rows import DataError
 from .sampling import StatefulLoader, data_parallel_rank, shuffled_batches
-
-FILE_LOADERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 def default_cache_dir() -> Path:
@@ -37,15 +41,18 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def load_documents(path: str, text_field: str) -> Dataset:
-    """A local txt/json/jsonl/parquet file, a directory saved by `datasets`, or a hub dataset name."""
+def load_documents(path: str, text_field: str, cache_dir: str | None = None) -> Dataset:
+    """A local txt/json/jsonl/parquet file, a directory saved by `datasets`, or a hub dataset name.
+
+    A text file must be UTF-8 throughout (DataError naming the first line that is not); files are
+    cached by content under `cache_dir` (default: the `datasets` cache)."""
     p = Path(path)
     if p.is_dir():
         ds = load_from_disk(str(p))
     elif p.suffix in FILE_LOADERS:
         if not p.is_file():
             raise FileNotFoundError(f"data path {path!r} does not exist; pass an existing file or directory")
-        ds = load_dataset(FILE_LOADERS[p.suffix], data_files=str(p), split="train")
+        ds = load_file(p, cache_dir)
     else:
         ds = load_dataset(path, split="train")
     if text_field not in ds.column_names:
@@ -118,7 +125,7 @@ class PretrainData(L.LightningDataModule):
 
     def _cache_key(self) -> str:
         hp = self.hparams
-        source = corpus_version() if hp.path is None else str(Path(hp.path).resolve())
+        source = corpus_version() if hp.path is None else source_fingerprint(hp.path)
         blob = json.dumps([source, tokenizer_fingerprint(self.tokenizer), hp.seq_len, hp.val_fraction, hp.seed,
                            hp.text_field])
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -139,17 +146,30 @@ class PretrainData(L.LightningDataModule):
             docs = Dataset.from_list(embedded_documents())
             held = [is_held_out(t, hp.val_fraction, hp.seed) for t in docs["title"]]
         else:
-            docs = load_documents(hp.path, hp.text_field)
+            docs = load_documents(hp.path, hp.text_field, str(self.cache_dir / "datasets"))
             held = [is_held_out(str(i), hp.val_fraction, hp.seed) for i in range(len(docs))]
         splits = {}
         for name, keep in (("train", False), ("val", True)):
             subset = docs.select([i for i, h in enumerate(held) if h == keep])
             splits[name] = token_windows(subset, self.tokenizer, hp.text_field, hp.seq_len, hp.num_proc)
+            if len(splits[name]) == 0:
+                self._no_windows(name, subset)
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         for name, ds in splits.items():
             ds.save_to_disk(str(tmp / name))
         os.replace(tmp, target) if not target.exists() else None
         return splits["train"], splits["val"]
+
+    def _no_windows(self, split: str, docs: Dataset) -> None:
+        hp = self.hparams
+        tokens = sum(len(ids) + 1 for ids in self.tokenizer.encode_batch(docs[hp.text_field])) if len(docs) else 0
+        raise DataError(
+            f"no {split} windows: the {len(docs)} {split} document(s) hold {tokens} tokens (EOS included), "
+            f"fewer than one window of seq_len={hp.seq_len}",
+            "seq_len",
+            "give more text, lower seq_len" + (", or raise val_fraction" if split == "val" else ""),
+            source=hp.path or "embedded corpus",
+        )
 
     def train_dataloader(self) -> StatefulLoader:
         """Shuffled windows split over the data-parallel ranks; the position is saved in checkpoints."""

@@ -2,20 +2,24 @@
 
 Every problem with user data raises `DataError`, whose message names the file, the line (JSONL) or row
 (any other source, 1-based), the field and the fix. With `on_bad_row="skip"` the caller drops the row
-instead and logs how many were dropped and why; nothing is dropped silently.
+instead and logs how many were dropped and why; nothing is dropped silently. The drops are counted by
+reason (`Dropped`), so a run left with no rows says what removed them (`require_rows`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Collection
+import re
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 
 BAD_ROW_POLICIES = ("error", "skip")
+LIST_INDEX = re.compile(r"\[\d+\]")
 MESSAGE_KEYS = ("role", "content")
 
 
@@ -55,8 +59,38 @@ class DataError(ValueError):
             unit if self.line is None else self.unit,
         )
 
+    def at_row(self, source: str | None, lines: Sequence[int] | None, index: int) -> DataError:
+        """The same error located at row `index` (0-based) of `source`: its line `lines[index]` when the
+        rows' lines are known, else its 1-based row number."""
+        return self.at(source, index + 1, "row") if lines is None else self.at(source, lines[index])
+
+    @property
+    def summary(self) -> str:
+        """The reason without the row's values, e.g. "missing field ('answer')": what drops are counted by."""
+        head = re.split(r" \(|: |, got ", self.reason, maxsplit=1)[0]
+        if self.field is None:
+            return head
+        return f"{head} ('{LIST_INDEX.sub('[]', self.field)}')"
+
     def __reduce__(self):  # keeps the fields across datasets' worker processes
         return (DataError, (self.reason, self.field, self.fix, self.source, self.line, self.unit))
+
+
+class Dropped(Counter):
+    """Rows dropped (on_bad_row='skip', truncation='drop', …), counted by reason (a row dropped for two
+    reasons, such as a pair with two bad responses, counts under both)."""
+
+    def describe(self) -> str:
+        return "; ".join(f"{reason} ({n})" for reason, n in self.most_common() if n > 0) or "none"
+
+
+NO_ROWS_FIX = "fix the rows, or change what drops them (max_seq_len, truncation, sections, on_bad_row)"
+
+
+def require_rows(count: int, what: str, source: str, dropped: Dropped, fix: str = NO_ROWS_FIX) -> None:
+    """A DataError when nothing is left (`count` == 0) to train or validate on, with the drops by reason."""
+    if count == 0:
+        raise DataError(f"no {what} left; rows dropped: {dropped.describe()}", fix=fix, source=source)
 
 
 def check_policy(on_bad_row: str) -> None:
@@ -132,6 +166,19 @@ def _preview(value: Any, width: int = 60) -> str:
 # --- JSONL ----------------------------------------------------------------------------------------
 
 
+UTF8_FIX = "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 FILE > NEW`)"
+UTF8_SKIP_FIX = f"{UTF8_FIX}, or pass on_bad_row='skip' to drop the line"
+
+
+def decode_line(raw: bytes, fix: str = UTF8_FIX) -> str:
+    """One line of a file as text, or a DataError naming the first byte that is not UTF-8 and its column."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        column = len(raw[: err.start].decode("utf-8", errors="replace")) + 1
+        raise DataError(f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {column})", fix=fix) from None
+
+
 class JsonlRows(NamedTuple):
     rows: list[dict[str, Any]]
     """The good rows, in file order."""
@@ -142,20 +189,24 @@ class JsonlRows(NamedTuple):
 
 
 def read_jsonl(
-    path: str | Path, check: Callable[[dict[str, Any]], Any] | None = None, on_bad_row: str = "error"
+    path: str | Path,
+    check: Callable[[dict[str, Any]], Any] | None = None,
+    on_bad_row: str = "error",
+    dropped: Dropped | None = None,
 ) -> JsonlRows:
     """Parse and check a JSONL file before `datasets` sees it; blank lines are ignored.
 
     `check(row)` raises DataError for a bad row (see `preprocess.check_row`). With on_bad_row="skip",
-    bad lines (malformed JSON included) are dropped, counted and logged with their first reasons.
+    bad lines (malformed JSON and bytes that are not UTF-8 included) are dropped, counted (into
+    `dropped`) and logged with their first reasons.
     """
     check_policy(on_bad_row)
     rows, lines, skipped = [], [], []
-    with open(path, encoding="utf-8") as handle:
-        numbered = [(n, t) for n, t in enumerate(handle, start=1) if t.strip()]
-    for number, text in numbered:
+    with open(path, "rb") as handle:
+        numbered = [(n, raw) for n, raw in enumerate(handle, start=1) if raw.strip()]
+    for number, raw in numbered:
         try:
-            row = _parse_line(text)
+            row = _parse_line(decode_line(raw, UTF8_SKIP_FIX))
             if check is not None:
                 check(row)
         except DataError as err:
@@ -166,7 +217,7 @@ def read_jsonl(
             continue
         rows.append(row)
         lines.append(number)
-    log_skipped(skipped, str(path))
+    log_skipped(skipped, str(path), dropped)
     return JsonlRows(rows, lines, len(skipped))
 
 
@@ -186,10 +237,19 @@ def _parse_line(text: str) -> dict[str, Any]:
     return row
 
 
-def log_skipped(errors: list[DataError] | list[str], source: str, shown: int = 3) -> None:
-    """One warning with the number of skipped rows and the first reasons."""
+def log_skipped(
+    errors: Sequence[DataError | str],
+    source: str,
+    dropped: Dropped | None = None,
+    summaries: Sequence[str] | None = None,
+    shown: int = 3,
+) -> None:
+    """One warning with the number of skipped rows and the first reasons; the rows are counted into
+    `dropped` by `summaries` (default: each error's `summary`)."""
     if not errors:
         return
+    if dropped is not None:
+        dropped.update(summaries if summaries is not None else [e.summary for e in errors])
     reasons = "; ".join(str(e) for e in errors[:shown])
     more = f" (and {len(errors) - shown} more)" if len(errors) > shown else ""
     log.warning("%s: skipped %d bad row(s) (on_bad_row='skip'): %s%s", source, len(errors), reasons, more)

@@ -90,7 +90,7 @@ class SFTData(RowsData):
 
     def _build(self, splits: dict[str, Encoded]) -> None:
         hp = self.hparams
-        rows = {name: self._trainable(encoded) for name, encoded in splits.items()}
+        rows = {name: self._trainable(name, encoded) for name, encoded in splits.items()}
         announce(
             f"{type(self).__name__}: a training row, trained tokens in [[ ]]:",
             describe_example(rows["train"], self.tokenizer),
@@ -98,9 +98,12 @@ class SFTData(RowsData):
         for name, split in rows.items():
             packed, stats = pack_rows(split, hp.max_seq_len, hp.packing, hp.truncation, hp.position_ids)
             announce(f"{type(self).__name__} {name}: {stats.describe()}")
+            reason = f"empty, or longer than max_seq_len={hp.max_seq_len} with truncation='{hp.truncation}'"
+            splits[name].dropped[reason] += stats.dropped
+            self._require(len(packed), f"{name} examples", splits[name])
             setattr(self, f"{name}_set", packed)
 
-    def _trainable(self, encoded: Encoded) -> Dataset:
+    def _trainable(self, name: str, encoded: Encoded) -> Dataset:
         """The rows that keep a trained token once they fit max_seq_len (others: error, or skipped)."""
         hp = self.hparams
         keep = check_trained_tokens(
@@ -111,7 +114,10 @@ class SFTData(RowsData):
             source=encoded.name,
             lines=encoded.lines,
             on_bad_row=hp.on_bad_row,
+            sections=self.sections,
+            dropped=encoded.dropped,
         )
+        self._require(len(keep), f"{name} rows", encoded)
         return encoded.rows if len(keep) == len(encoded.rows) else encoded.rows.select(keep)
 
     def train_dataloader(self):

@@ -3,12 +3,14 @@
 `encode_splits` reads rows (a file, a saved `datasets` directory, a hub dataset, or the built-in
 arithmetic task when `path` is None), checks the tokenizer against the sections and the model before
 anything is encoded (`preflight.check_tokenizer`), encodes every row with `Dataset.map` (cached by
-fingerprint), and splits off the held-out rows. Every bad row raises `DataError` with its file and line.
+fingerprint), and splits off the held-out rows. Every bad row raises `DataError` with its file and line;
+under on_bad_row='skip' it is dropped and counted by reason in its split's `Encoded.dropped`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +23,13 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler
 
 from ..model.config import ConfigError
 from .corpus import is_held_out
+from .files import FILE_LOADERS, load_file
 from .preflight import check_bos_once, check_tokenizer
 from .preprocess import Section, infer_sections, preset_sections
-from .rows import DataError, read_jsonl
+from .rows import DataError, Dropped, read_jsonl
 from .synthetic import KINDS, OPERATORS, Problem, problems, synthetic_dataset
 from .tokenized import load_jsonl, tokenize_dataset
 
-FILE_LOADERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 DEFAULT_PRESETS = {"sft": "messages", "dpo": "preference", "grpo": "grpo"}
 IDS_COLUMNS = {"sft": "input_ids", "dpo": "chosen_input_ids", "grpo": "prompt_ids"}
 
@@ -124,11 +126,17 @@ def resolve_sections(
 
 
 def read_rows(
-    path: str, split: str, sections: Sequence[Section], on_bad_row: str, cache_dir: str | None
+    path: str,
+    split: str,
+    sections: Sequence[Section],
+    on_bad_row: str,
+    cache_dir: str | None,
+    dropped: Dropped | None = None,
 ) -> Rows:
     """A local jsonl/json/parquet/txt file, a directory saved by `datasets`, or a hub dataset's `split`.
 
-    JSONL lines are parsed and checked against `sections` here, so a bad line is named by its number.
+    JSONL lines are parsed and checked against `sections` here, so a bad line is named by its number;
+    lines that are not UTF-8 are named (or skipped, counted into `dropped`) in every text file.
     """
     p = Path(path)
     if p.suffix in FILE_LOADERS and not p.is_file():
@@ -136,12 +144,12 @@ def read_rows(
             "no such file", fix="pass an existing file, a saved dataset directory or a hub name", source=path
         )
     if p.suffix == ".jsonl":
-        dataset, lines = load_jsonl(p, sections, on_bad_row=on_bad_row, cache_dir=cache_dir)
+        dataset, lines = load_jsonl(p, sections, on_bad_row=on_bad_row, cache_dir=cache_dir, dropped=dropped)
         return Rows(dataset, lines, path)
     if p.is_dir():
         dataset = load_from_disk(str(p))
     elif p.suffix in FILE_LOADERS:
-        dataset = load_dataset(FILE_LOADERS[p.suffix], data_files=str(p), split="train", cache_dir=cache_dir)
+        dataset = load_file(p, cache_dir, on_bad_row, dropped)
     else:
         dataset = load_dataset(path, cache_dir=cache_dir)
     if isinstance(dataset, DatasetDict):
@@ -165,6 +173,8 @@ class Encoded(NamedTuple):
     lines: list[int] | None
     """Each row's line in the source file (None: row numbers)."""
     name: str
+    dropped: Dropped
+    """Rows of the source dropped so far (before a held-out split: those of both splits), by reason."""
 
 
 def check_model_fit(tokenizer: Any, vocab_size: int | None) -> None:
@@ -197,20 +207,10 @@ def encode_splits(
     assert kind in KINDS, kind
     check_model_fit(tokenizer, vocab_size)
     check_tokenizer(tokenizer, sections, vocab_size)
-    if path is None:
-        sources = {
-            s: Rows(synthetic.dataset(kind, name, seed, cache_dir), None, f"synthetic arithmetic ({name})")
-            for s, name in (("train", "train"), ("val", "test"))
-        }
-    elif val_split is not None:
-        sources = {
-            s: read_rows(path, name, sections, on_bad_row, cache_dir)
-            for s, name in (("train", split), ("val", val_split))
-        }
-    else:
-        sources = {"all": read_rows(path, split, sections, on_bad_row, cache_dir)}
     encoded = {}
-    for name, (rows, lines, source) in sources.items():
+    for name, (rows, lines, source, dropped) in _read_sources(
+        kind, sections, path, split, val_split, synthetic, seed, on_bad_row, cache_dir
+    ).items():
         out = tokenize_dataset(
             rows,
             sections,
@@ -220,14 +220,41 @@ def encode_splits(
             lines=lines,
             on_bad_row=on_bad_row,
             num_proc=num_proc,
+            dropped=dropped,
         )
         if on_bad_row == "skip" and len(out) != len(rows):
             lines = None  # rows were dropped: positions no longer match lines
         check_bos_once(out, tokenizer, source, lines, IDS_COLUMNS[kind])
-        encoded[name] = Encoded(out, lines, source)
+        encoded[name] = Encoded(out, lines, source, dropped)
     if "all" in encoded:
         encoded = hold_out(encoded["all"], val_fraction, seed)
     return encoded
+
+
+def _read_sources(
+    kind: str,
+    sections: Sequence[Section],
+    path: str | None,
+    split: str,
+    val_split: str | None,
+    synthetic: Arithmetic,
+    seed: int,
+    on_bad_row: str,
+    cache_dir: str | None,
+) -> dict[str, tuple[Dataset, list[int] | None, str, Dropped]]:
+    """{"train", "val"} (or {"all"}, to be split): each source's rows, lines, name and what it dropped."""
+    if path is None:
+        splits = {"train": "train", "val": "test"}
+        return {
+            s: (synthetic.dataset(kind, name, seed, cache_dir), None, f"synthetic arithmetic ({name})", Dropped())
+            for s, name in splits.items()
+        }
+    splits = {"all": split} if val_split is None else {"train": split, "val": val_split}
+    out = {}
+    for s, name in splits.items():
+        dropped = Dropped()
+        out[s] = (*read_rows(path, name, sections, on_bad_row, cache_dir, dropped), dropped)
+    return out
 
 
 def hold_out(encoded: Encoded, fraction: float, seed: int) -> dict[str, Encoded]:
@@ -244,7 +271,7 @@ def hold_out(encoded: Encoded, fraction: float, seed: int) -> dict[str, Encoded]
                 source=encoded.name,
             )
         lines = None if encoded.lines is None else [encoded.lines[i] for i in index]
-        out[name] = Encoded(encoded.rows.select(index), lines, encoded.name)
+        out[name] = Encoded(encoded.rows.select(index), lines, encoded.name, Dropped(encoded.dropped))
     return out
 
 
@@ -267,6 +294,26 @@ def model_vocab_size(trainer: Any) -> int | None:
     module = getattr(trainer, "lightning_module", None) if trainer is not None else None
     arch = getattr(module, "arch", None)
     return getattr(arch, "vocab_size", None)
+
+
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def reward_fields(trainer: Any) -> dict[str, str]:
+    """Row fields the reward functions of the trainer's objective require -> the first function that does:
+    each parameter without a default other than the prompts, completions and completion ids."""
+    module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+    fields: dict[str, str] = {}
+    for name, fn in getattr(module, "reward_funcs", None) or ():
+        try:
+            parameters = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a callable without a signature: nothing to check
+            continue
+        for p in parameters:
+            required = p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            if required and p.name not in REWARD_ARGUMENTS:
+                fields.setdefault(p.name, name)
+    return fields
 
 
 def announce(title: str, text: str = "") -> None:

@@ -1,29 +1,29 @@
 """Encode a whole 🤗 `Dataset` with `Dataset.map` (batched, cached by fingerprint, `num_proc`).
 
 A file-backed dataset (loaded from files, `from_generator`, `load_from_disk`) is cached: a second run
-with the same rows, sections and tokenizer reads the encoded rows back instead of encoding them.
+with the same rows, sections and tokenizer reads the encoded rows back instead of encoding them. Files
+are loaded into a cache named by their content (`files.load_file`), so an edited file is encoded anew.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import datasets
-from datasets import Dataset, load_dataset
+from datasets import Dataset
 from datasets.exceptions import DatasetGenerationError
 
+from .files import content_named_copy, load_file
 from .preprocess import ROW_KINDS, Section, check_row, encode_pieces, generation_prompt
-from .rows import DataError, check_policy, log_skipped, read_jsonl
+from .rows import DataError, Dropped, check_policy, log_skipped, read_jsonl
 
 log = logging.getLogger(__name__)
 ERROR_COLUMN = "_error"
+SUMMARY_COLUMN = "_error_summary"
 
 
 def _encode_batch(
@@ -40,22 +40,24 @@ def _encode_batch(
     segments_of, columns_of, count = ROW_KINDS[kind]
     header = generation_prompt(tokenizer) if any(s.template for s in sections) else ""
     names = list(batch)
-    planned, errors = [], []
+    planned, errors, summaries = [], [], []
     for index, values in zip(indices, zip(*batch.values())):
         try:
             planned.append(segments_of(dict(zip(names, values)), sections, tokenizer, header))
             errors.append("")
+            summaries.append("")
         except DataError as err:
-            located = err.at(source, index + 1, "row") if lines is None else err.at(source, lines[index])
+            located = err.at_row(source, lines, index)
             if on_bad_row == "error":
                 raise located from None
             planned.append([[]] * count)  # an empty row, dropped after the map
             errors.append(str(located))
+            summaries.append(located.summary)
     encoded = iter(encode_pieces([seg for segs in planned for seg in segs], tokenizer))
     rows = [columns_of([next(encoded) for _ in segs], sections) for segs in planned]
     out = {key: [row[key] for row in rows] for key in rows[0]}
     if on_bad_row == "skip":
-        out[ERROR_COLUMN] = errors
+        out[ERROR_COLUMN], out[SUMMARY_COLUMN] = errors, summaries
     return out
 
 
@@ -70,12 +72,14 @@ def tokenize_dataset(
     on_bad_row: str = "error",
     num_proc: int | None = None,
     batch_size: int = 1000,
+    dropped: Dropped | None = None,
 ) -> Dataset:
     """Encode every row (kind sft: input_ids[, loss_mask]; dpo: chosen_/rejected_…; grpo: prompt_ids).
 
     sft and dpo keep only the encoded columns; grpo keeps the row's other columns (e.g. `answer`) for
     the reward functions. A bad row raises DataError naming `source` and its line (`lines[i]`, from
-    `rows.read_jsonl`) or its 1-based row number; with on_bad_row="skip" it is dropped and logged.
+    `rows.read_jsonl`) or its 1-based row number; with on_bad_row="skip" it is dropped, logged and
+    counted into `dropped`.
     """
     check_policy(on_bad_row)
     if kind not in ROW_KINDS:
@@ -105,18 +109,22 @@ def tokenize_dataset(
         desc=f"encoding {kind} rows",
     )
     if on_bad_row == "skip":
-        encoded = _drop_bad_rows(encoded, source)
+        encoded = _drop_bad_rows(encoded, source, Dropped() if dropped is None else dropped)
     return encoded
 
 
-def _drop_bad_rows(encoded: Dataset, source: str) -> Dataset:
+def _drop_bad_rows(encoded: Dataset, source: str, dropped: Dropped) -> Dataset:
     errors = [e for e in encoded[ERROR_COLUMN] if e]
-    log_skipped(errors, source)
+    log_skipped(errors, source, dropped, [s for s in encoded[SUMMARY_COLUMN] if s])
     if len(errors) == len(encoded):
-        raise DataError(f"every row is bad ({errors[0]})", fix="fix the rows or the sections", source=source)
+        raise DataError(
+            f"every row is bad; rows dropped: {dropped.describe()} (the first: {errors[0]})",
+            fix="fix the rows or the sections",
+            source=source,
+        )
     if errors:
         encoded = encoded.filter(_is_good, input_columns=ERROR_COLUMN, batched=True)
-    return encoded.remove_columns(ERROR_COLUMN)
+    return encoded.remove_columns([ERROR_COLUMN, SUMMARY_COLUMN])
 
 
 def _is_good(errors: list[str]) -> list[bool]:
@@ -124,20 +132,30 @@ def _is_good(errors: list[str]) -> list[bool]:
 
 
 def load_jsonl(
-    path: str | Path, sections: Sequence[Section], *, on_bad_row: str = "error", cache_dir: str | None = None
+    path: str | Path,
+    sections: Sequence[Section],
+    *,
+    on_bad_row: str = "error",
+    cache_dir: str | None = None,
+    dropped: Dropped | None = None,
 ) -> tuple[Dataset, list[int]]:
     """A JSONL file checked line by line against `sections`, as a Dataset, and each row's line number.
 
     The rows are loaded through `datasets`' json builder, so the Dataset is file-backed and
-    `tokenize_dataset` caches. When lines were skipped, the good rows are first written to a copy
-    named by their content hash under `cache_dir` (or the `datasets` cache), so that caches too.
+    `tokenize_dataset` caches. When lines were skipped (counted into `dropped`), the good rows are first
+    written to a copy named by their content hash under `cache_dir` (or the `datasets` cache).
     """
-    rows, lines, skipped = read_jsonl(path, partial(check_row, sections=sections), on_bad_row)
+    dropped = Dropped() if dropped is None else dropped
+    rows, lines, skipped = read_jsonl(path, partial(check_row, sections=sections), on_bad_row, dropped)
     if not rows:
-        raise DataError("no rows", fix="the file is empty or every line was bad", source=str(path))
+        raise DataError(
+            f"no rows; rows dropped: {dropped.describe()}",
+            fix="the file is empty or every line was bad",
+            source=str(path),
+        )
     target = Path(path) if skipped == 0 else _clean_copy(rows, cache_dir)
     try:
-        return load_dataset("json", data_files=str(target), split="train", cache_dir=cache_dir), lines
+        return load_file(target, cache_dir), lines
     except DatasetGenerationError as err:
         raise DataError(
             f"datasets could not build a table from the rows ({err.__cause__ or err})",
@@ -148,11 +166,4 @@ def load_jsonl(
 
 def _clean_copy(rows: list[dict[str, Any]], cache_dir: str | None) -> Path:
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    folder = Path(cache_dir or datasets.config.HF_DATASETS_CACHE) / "astrai_pl_checked_rows"
-    target = folder / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
-    if not target.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        partial_file = target.with_suffix(f".tmp{os.getpid()}")
-        partial_file.write_text(text, encoding="utf-8")
-        os.replace(partial_file, target)
-    return target
+    return content_named_copy(text.encode("utf-8"), ".jsonl", cache_dir)
