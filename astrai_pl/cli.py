@@ -19,6 +19,7 @@ import sys
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
+from .callbacks.checkpoint import checkpoint_error_in, prepare_resume_from_last
 from .callbacks.tracking import (
     WandbConfig,
     log_config,
@@ -68,6 +69,11 @@ class AstraiCLI(LightningCLI):
                                *tracking_callbacks(settings, root)]
         return super().instantiate_trainer(**kwargs)
 
+    def before_fit(self) -> None:
+        """`--ckpt_path last`: put back what a cut-off checkpoint replace left; refuse a restart from step 0
+        when the checkpoint folder holds checkpoints but no last one (callbacks/checkpoint.py)."""
+        prepare_resume_from_last(self.trainer, self._get(self.config_init, "ckpt_path"))
+
 
 def lightning_main(args: list[str] | None = None, run: bool = True) -> AstraiCLI:
     """`astrai-pl fit|validate|test` on `args` (None: the command line); run=False builds the objective, the
@@ -80,6 +86,11 @@ def lightning_main(args: list[str] | None = None, run: bool = True) -> AstraiCLI
             model_class=Objective, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
             args=args, run=run, save_config_callback=SaveConfig, save_config_kwargs={"overwrite": True},
         )
+    except ValueError as err:
+        cause = checkpoint_error_in(err)  # jsonargparse wraps an objective's CheckpointError in a config dump
+        if cause is None or cause is err:
+            raise
+        raise cause from None
     finally:
         sys.argv = command_line
 

@@ -12,16 +12,30 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
 
 from .callbacks.checkpoint import (
     AtomicCheckpointIO,
     CheckpointError,
+    check_sharded_complete,
     describe_unreadable,
+    interrupted_copy,
+    partial_path,
+    read_checkpoint,
+    recover_interrupted_replace,
     replace_path,
     verify_archive,
+)
+from .callbacks.sharded_checkpoint import (
+    checksum_mismatch,
+    describe_dcp_failure,
+    file_checksums,
+    load_into,
+    read_checksums,
+    read_dcp_metadata,
+    verify_folder,
+    write_checksums,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,29 +120,88 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().setup_environment()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
-        """Sharded: every rank writes into the hidden folder `.NAME.partial`, which is renamed to `filepath`
-        once complete (a folder already there is moved aside first and deleted after), so a save cut off
-        while writing leaves the previous checkpoint as it was. Full: one atomic file written by rank 0."""
-        if not self._save_distributed_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        """Sharded: every rank writes into the hidden folder `.NAME.partial`; the size and CRC-32 of each of
+        its files go into its checksums.json, written last; then rank 0 moves it to `filepath` with
+        replace_path, so a kill at any point leaves a complete checkpoint (what a cut-off replace left is put
+        back first). Full: one atomic file written by rank 0, moved over a sharded folder the same way."""
         target = Path(self.broadcast(str(filepath)))
-        partial = target.with_name(f".{target.name}.partial")
-        if self.global_rank == 0 and partial.exists():
-            shutil.rmtree(partial)
+        partial = partial_path(target)
+        if self.global_rank == 0:
+            recover_interrupted_replace(target)
+            if partial.is_dir():
+                shutil.rmtree(partial)
         self.barrier()
+        if not self._save_distributed_checkpoint and not target.is_dir():
+            return super().save_checkpoint(checkpoint, target, storage_options)
         super().save_checkpoint(checkpoint, partial, storage_options)
         self.barrier()
+        if self._save_distributed_checkpoint:
+            self._write_checksums(partial)
         if self.global_rank == 0:
             replace_path(partial, target)
         self.barrier()
 
+    def _gather(self, obj: Any) -> list[Any]:
+        if not torch.distributed.is_initialized():
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, obj)
+        return gathered
+
+    def _write_checksums(self, folder: Path) -> None:
+        """Each rank checksums its share of the folder's files; rank 0 writes the table."""
+        names = self.broadcast(sorted(p.name for p in folder.iterdir() if p.is_file()))
+        shares = self._gather(file_checksums(folder, names[self.global_rank :: self.world_size]))
+        if self.global_rank == 0:
+            write_checksums(folder, {name: sums for share in shares for name, sums in share.items()})
+
+    def _verify_checksums(self, folder: Path) -> dict[str, list[int]] | None:
+        """Each rank verifies its share of the folder's checksum table; every rank raises the first mismatch."""
+        expected = read_checksums(folder)
+        mine = sorted(expected or {})[self.global_rank :: self.world_size]
+        problems = self._gather(checksum_mismatch(folder, expected, mine) if expected else None)
+        problem = next((p for p in problems if p), None)
+        if problem:
+            raise CheckpointError(f"{problem}. Fix: resume from another checkpoint.")
+        return expected
+
+    def _load_sharded(self, path: Path) -> dict[str, Any]:
+        """Lightning's sharded load, with every read through sharded_checkpoint.py: checksums first, metadata
+        that runs no code, non-tensor entries weights-only, and CheckpointError naming the folder."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        check_sharded_complete(path)
+        expected = self._verify_checksums(path)
+        metadata = read_dcp_metadata(path)
+        verify_folder(path, metadata, expected)
+        module = self.model
+        try:
+            state = {"state_dict": get_model_state_dict(module)}
+            load_into(state, path, metadata)
+            module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+            for i, optimizer in enumerate(self.optimizers):
+                state = {f"optimizer_{i}": get_optimizer_state_dict(module, optimizer)}
+                load_into(state, path, metadata)
+                set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"],
+                                         options=StateDictOptions(cpu_offload=True))
+        except (RuntimeError, ValueError, KeyError) as err:
+            if isinstance(err, CheckpointError):
+                raise
+            raise CheckpointError(describe_dcp_failure(path, err)) from err
+        return read_checkpoint(path / "meta.pt")
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded folder through `_load_sharded`; a full file verified first. A path that a cut-off replace
+        left missing is read from the complete copy beside it."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_dir() and not _is_sharded_checkpoint(path):
-            raise CheckpointError(
-                f"{path}: incomplete sharded checkpoint (meta.pt or .metadata is missing); "
-                "resume from an earlier checkpoint in the same folder"
-            )
+        path = interrupted_copy(path) or path
+        if path.is_dir():
+            return self._load_sharded(path)
         if path.is_file():
             verify_archive(path)
         try:

@@ -22,6 +22,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..model.hf import CheckpointError
 
+ZIP_START = b"PK\x03\x04"  # local file header: the first thing a zip writer puts in the file
 ZIP_END = b"PK\x05\x06"  # end-of-central-directory record: the last thing a zip writer puts in the file
 
 
@@ -62,23 +63,71 @@ def _umask() -> int:
     return mask
 
 
+def partial_path(target: Path) -> Path:
+    """Where a checkpoint folder (or a file that replaces one) is written before it is moved to `target`."""
+    return target.with_name(f".{target.name}.partial")
+
+
+def aside_path(target: Path) -> Path:
+    """Where `replace_path` keeps the previous `target` while the new one is moved in."""
+    return target.with_name(f".{target.name}.old")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
 def replace_path(new: Path, target: Path) -> None:
-    """Move `new` (a file or a directory) to `target`, replacing whatever is there.
+    """Move `new` (a complete file or directory) to `target`, replacing whatever is there.
 
     A file replaces a file in one atomic rename. A directory cannot be renamed over a non-empty one, so
-    the old target is first renamed aside and deleted after the new one is in place."""
-    if not target.exists() and not target.is_symlink():
-        os.replace(new, target)
-    elif new.is_file() and (target.is_file() or target.is_symlink()):
-        os.replace(new, target)
-    else:
-        aside = target.with_name(f".{target.name}.old")
-        if aside.exists():
-            shutil.rmtree(aside) if aside.is_dir() else aside.unlink()
+    the old target is renamed aside (`aside_path`), `new` is renamed into place, and the old one deleted;
+    a kill between the two renames leaves both complete copies, which `interrupted_copy` finds and
+    `recover_interrupted_replace` puts back."""
+    aside = aside_path(target)
+    if _exists(target) and (new.is_dir() or target.is_dir()):
+        _remove(aside)  # left by a replace cut off after its second rename
         os.replace(target, aside)
-        os.replace(new, target)
-        shutil.rmtree(aside) if aside.is_dir() else aside.unlink()
+        _fsync_dir(target.parent)
+    os.replace(new, target)
     _fsync_dir(target.parent)
+    _remove(aside)
+    _fsync_dir(target.parent)
+
+
+def is_complete_copy(path: Path) -> bool:
+    """A file is renamed into place only once written; a folder is complete once its checksum table is there."""
+    from .sharded_checkpoint import CHECKSUMS
+
+    return path.is_file() or (path / CHECKSUMS).is_file()
+
+
+def interrupted_copy(target: Path) -> Path | None:
+    """The complete checkpoint a `replace_path` cut off between its two renames left instead of a missing
+    `target`: the new copy when it was complete, else the previous one. None when `target` exists."""
+    if _exists(target):
+        return None
+    for candidate in (partial_path(target), aside_path(target)):
+        if _exists(candidate) and (candidate == aside_path(target) or is_complete_copy(candidate)):
+            return candidate
+    return None
+
+
+def recover_interrupted_replace(target: Path) -> None:
+    """Finish what a cut-off `replace_path` left: move the complete copy to `target`, drop the previous one."""
+    copy = interrupted_copy(target)
+    if copy is not None:
+        os.replace(copy, target)
+        _fsync_dir(target.parent)
+    if _exists(target) and _exists(aside_path(target)):
+        _remove(aside_path(target))
 
 
 # -- reading ----------------------------------------------------------------------------------------------
@@ -106,8 +155,14 @@ def verify_archive(path: Path) -> None:
     """Raise CheckpointError unless `path` is a complete zip archive whose members match their CRC-32."""
     size = path.stat().st_size
     with open(path, "rb") as f:
+        head = f.read(4)
         f.seek(max(0, size - 65_558))  # the end record sits within the last 64 KiB + 22 bytes
         tail = f.read()
+    if size and head != ZIP_START:
+        raise CheckpointError(
+            f"{path}: not a checkpoint ({size} bytes that do not start like a torch.save archive: {head!r}). "
+            "Fix: pass a .ckpt written by astrai-pl fit or torch.save, or a Hugging Face model directory."
+        )
     if ZIP_END not in tail:
         raise CheckpointError(
             f"{path}: truncated checkpoint ({size} bytes; the end of the archive is missing), so its write was "
@@ -130,33 +185,36 @@ def verify_archive(path: Path) -> None:
 
 def is_sharded_checkpoint(path: Path) -> bool:
     """A folder written by FSDP2Strategy with save_distributed_checkpoint=True (or one that tries to be)."""
-    return path.is_dir() and any((path / name).exists() for name in ("meta.pt", ".metadata", "__0_0.distcp"))
+    names = ("meta.pt", ".metadata", "__0_0.distcp", "checksums.json")
+    return path.is_dir() and any((path / name).exists() for name in names)
 
 
-def _read_sharded(path: Path) -> dict[str, Any]:
-    """The full weights and the metadata of a sharded checkpoint, read in this one process (no process
-    group): for init_from, convert and inspection. Its optimizer shards are left out."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+def check_sharded_complete(path: Path) -> None:
+    """CheckpointError unless the folder has the two files every sharded checkpoint has."""
     if not (path / "meta.pt").is_file() or not (path / ".metadata").is_file():
         raise CheckpointError(
             f"{path}: incomplete sharded checkpoint (meta.pt or .metadata is missing). Resume "
             f"from another checkpoint (remaining: {_siblings(path)})."
         )
-    metadata = read_checkpoint(path / "meta.pt")
-    with tempfile.TemporaryDirectory() as scratch:
-        try:
-            dcp_to_torch_save(path, Path(scratch) / "full.pt")
-        except Exception as err:  # noqa: BLE001 - a shard that cannot be read becomes one typed error
-            raise CheckpointError(describe_unreadable(path, err)) from err
-        full = torch.load(Path(scratch) / "full.pt", map_location="cpu", weights_only=True)
-    return {**metadata, "state_dict": full["state_dict"]}
+
+
+def _read_sharded(path: Path) -> dict[str, Any]:
+    """The full weights and the metadata of a sharded checkpoint, read in this one process (no process
+    group) through the checks of sharded_checkpoint.py: for init_from, convert and inspection. Its
+    optimizer shards are left out."""
+    from .sharded_checkpoint import read_sharded_weights
+
+    check_sharded_complete(path)
+    weights = read_sharded_weights(path)
+    return {**read_checkpoint(path / "meta.pt"), "state_dict": weights}
 
 
 def read_checkpoint(path: str | Path, map_location: Any = "cpu", weights_only: bool = True) -> dict[str, Any]:
     """torch.load after checking the archive (or the weights and metadata of a sharded checkpoint folder),
-    with CheckpointError for every failure."""
+    with CheckpointError for every failure. A `path` that a cut-off replace left missing is read from the
+    complete copy beside it."""
     path = Path(path)
+    path = interrupted_copy(path) or path
     if is_sharded_checkpoint(path):
         return _read_sharded(path)
     if not path.is_file():
@@ -166,6 +224,52 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu", weights_only: b
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except Exception as err:  # noqa: BLE001 - every failure becomes one typed error naming the file
         raise CheckpointError(describe_unreadable(path, err)) from err
+
+
+def checkpoint_error_in(err: BaseException) -> CheckpointError | None:
+    """The CheckpointError among `err` and its causes (jsonargparse wraps the error of an objective that
+    failed to build, such as a bad init_from, in a dump of the whole config)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, CheckpointError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _interrupted_targets(folder: Path) -> set[Path]:
+    """Checkpoints of `folder` that a replace cut off may have left beside themselves."""
+    names = [p.name for p in folder.glob(".*.ckpt.old")] + [p.name for p in folder.glob(".*.ckpt.partial")]
+    return {folder / name[1:].rsplit(".", 1)[0] for name in names}
+
+
+def prepare_resume_from_last(trainer: Any, ckpt_path: Any) -> None:
+    """Before `fit(ckpt_path="last")`: finish every cut-off replace in the ModelCheckpoint folders, then refuse
+    to start from step 0 when they hold checkpoints but no last one. A run is new when its checkpoint
+    folders hold no complete checkpoint (no `*.ckpt` file or folder): only then does "last" start afresh."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if ckpt_path != "last":
+        return
+    callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    folders = sorted({Path(cb.dirpath) for cb in callbacks if Path(cb.dirpath).is_dir()})
+    for target in (t for folder in folders for t in _interrupted_targets(folder)):
+        if rank_zero_only.rank == 0:
+            recover_interrupted_replace(target)
+        elif interrupted_copy(target) is not None:
+            return  # rank 0 puts it back
+    if any(cb._find_last_checkpoints(trainer) for cb in callbacks):
+        return
+    found = [folder / p.name for folder in folders for p in sorted(folder.iterdir())
+             if p.name.endswith(".ckpt") and not p.name.startswith(".")]
+    if found:
+        raise CheckpointError(
+            f"ckpt_path='last': {found[0].parent} holds no last checkpoint but holds "
+            f"{', '.join(p.name for p in found[:5])}, so this run is not new and would restart from step 0. "
+            f"Fix: resume from one of them (--ckpt_path {found[-1]}), or start afresh in another checkpoint folder."
+        )
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
