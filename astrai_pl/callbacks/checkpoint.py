@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -55,6 +55,16 @@ def write_atomically(target: Path, write: Callable[[IO[bytes]], None]) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(target.parent)
+
+
+def nonfinite_tensors(named: Iterable[tuple[str, Any]]) -> list[str]:
+    """The names of the float tensors in `named` holding a NaN or ±inf (this process's shard of a DTensor)."""
+    tensors = [(name, t.to_local() if hasattr(t, "to_local") else t) for name, t in named
+               if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        return []
+    finite = torch.stack([torch.isfinite(t).all().to(tensors[0][1].device) for _, t in tensors]).tolist()
+    return [name for (name, _), ok in zip(tensors, finite) if not ok]
 
 
 def _umask() -> int:
@@ -226,6 +236,18 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu", weights_only: b
         raise CheckpointError(describe_unreadable(path, err)) from err
 
 
+def _refuse_nonfinite_weights(checkpoint: dict[str, Any], path: Any) -> None:
+    """CheckpointError, before anything is written, when a weight of `checkpoint` is NaN or ±inf."""
+    bad = nonfinite_tensors(checkpoint.get("state_dict", {}).items())
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise CheckpointError(
+            f"{path}: not written, because weights of step {checkpoint.get('global_step')} hold NaN or "
+            f"infinite values ({shown}); the checkpoint already there is left as it was. Training diverged: "
+            "lower the learning rate, keep gradient_clip_val set, and keep NonFiniteGuard on to stop at the cause."
+        )
+
+
 def checkpoint_error_in(err: BaseException) -> CheckpointError | None:
     """The CheckpointError among `err` and its causes (jsonargparse wraps the error of an objective that
     failed to build, such as a bad init_from, in a dump of the whole config)."""
@@ -273,11 +295,13 @@ def prepare_resume_from_last(trainer: Any, ckpt_path: Any) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning CheckpointIO: atomic local writes, verified `weights_only=True` reads.
+    """Lightning CheckpointIO: atomic local writes, verified `weights_only=True` reads, and no file written
+    from weights that hold NaN or ±inf (CheckpointError; the previous file stays).
 
     Remote paths (s3://, gs://, …) go through Lightning's fsspec writer unchanged."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
+        _refuse_nonfinite_weights(checkpoint, path)
         if "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None:

@@ -75,3 +75,24 @@ def test_a_nan_loss_stops_the_run_naming_the_term_and_the_step(tmp_path):
         trainer.fit(module, train_dataloaders=_batches())
     assert all(torch.isfinite(p).all() for p in module.parameters())  # nothing stepped with the NaN
     assert trainer.global_step == 2
+
+
+def test_a_logged_step_is_on_disk_at_once_and_later_values_of_it_join_its_line(tmp_path):
+    logger, path = JSONLLogger(save_dir=str(tmp_path)), tmp_path / "metrics.jsonl"
+    logger.log_metrics({"train/loss": 2.5}, step=0)
+    logger.log_metrics({"train/loss": 2.25, "lr": 0.001}, step=1)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]  # no finalize: as after a SIGKILL
+    assert [(row["step"], row["train/loss"]) for row in rows] == [(0, 2.5), (1, 2.25)]
+    logger.log_metrics({"val/loss": 2.0}, step=1)
+    logger.log_metrics({"lr": 1}, step=1)  # a shorter value: the line stays one valid JSON object
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1]
+    assert rows[1]["val/loss"] == 2.0 and rows[1]["train/loss"] == 2.25 and rows[1]["lr"] == 1
+
+
+def test_a_resumed_logger_starts_a_new_line_after_one_a_kill_cut_off(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "train/loss": 2.5}\n{"step": 1, "tra')
+    JSONLLogger(save_dir=str(tmp_path)).log_metrics({"train/loss": 2.0}, step=1)
+    row = json.loads(path.read_text().splitlines()[-1])
+    assert row["step"] == 1 and row["train/loss"] == 2.0
