@@ -14,12 +14,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
+from pathlib import Path
 
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
-from .callbacks.checkpoint import checkpoint_error_in, prepare_resume_from_last
+from .callbacks.checkpoint import (
+    CheckpointError,
+    checkpoint_error_in,
+    describe_unreadable,
+    prepare_resume_from_last,
+    verify_archive,
+)
+from .callbacks.metrics import NonFiniteLossError
+from .callbacks.safety import SafetyConfig, as_list, safety_callbacks, safety_plugins
 from .callbacks.tracking import (
     WandbConfig,
     log_config,
@@ -56,23 +66,35 @@ class AstraiCLI(LightningCLI):
         # The tokenizer is declared once, on the data module; the objective receives the same object.
         parser.link_arguments("data.tokenizer", "model.init_args.tokenizer", apply_on="instantiate")
         parser.add_dataclass_arguments(WandbConfig, "wandb")
+        parser.add_dataclass_arguments(SafetyConfig, "safety")
 
     def instantiate_trainer(self, **kwargs):
+        trainer, safety = self._get(self.config_init, "trainer"), self._get(self.config_init, "safety")
+        kwargs["callbacks"] = safety_callbacks(safety, as_list(trainer.get("callbacks")))
+        kwargs["plugins"] = safety_plugins(safety, as_list(trainer.get("plugins")))
         settings = self._get(self.config_init, "wandb")
-        if not settings.enabled:
-            return super().instantiate_trainer(**kwargs)
-        trainer = self._get(self.config_init, "trainer")
-        root = trainer.get("default_root_dir") or os.getcwd()
-        callbacks = trainer.get("callbacks") or []
-        kwargs["logger"] = with_wandb(trainer.get("logger"), wandb_logger(settings, root))
-        kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]),
-                               *tracking_callbacks(settings, root)]
+        if settings.enabled:
+            root = trainer.get("default_root_dir") or os.getcwd()
+            kwargs["logger"] = with_wandb(trainer.get("logger"), wandb_logger(settings, root))
+            kwargs["callbacks"] += tracking_callbacks(settings, root)
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
         """`--ckpt_path last`: put back what a cut-off checkpoint replace left; refuse a restart from step 0
         when the checkpoint folder holds checkpoints but no last one (callbacks/checkpoint.py)."""
         prepare_resume_from_last(self.trainer, self._get(self.config_init, "ckpt_path"))
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning reads the hyperparameters of an explicit `--ckpt_path FILE` with torch.load; the file
+        is verified first (complete archive, CRC-32 of every member), and a failure is a CheckpointError."""
+        subcommand = self.config.get("subcommand")
+        path = subcommand and self.config[subcommand].get("ckpt_path")
+        if path and Path(path).is_file():
+            verify_archive(Path(path))
+        try:
+            super()._parse_ckpt_path()
+        except (RuntimeError, ValueError, OSError, EOFError, pickle.UnpicklingError) as err:
+            raise CheckpointError(describe_unreadable(Path(path), err)) from err
 
 
 def lightning_main(args: list[str] | None = None, run: bool = True) -> AstraiCLI:
@@ -153,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{', '.join(sorted(LIGHTNING_VERBS | set(VERBS)))}")
     try:
         lightning_main(argv)  # None: LightningCLI reads sys.argv itself
-    except DataError as err:  # bad rows or data that cannot train: the message names file, line, field and fix
+    except (DataError, CheckpointError, NonFiniteLossError) as err:  # the message names the file or step and the fix
         raise SystemExit(f"astrai-pl: {err}") from None
 
 if __name__ == "__main__":

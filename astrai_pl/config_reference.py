@@ -35,6 +35,7 @@ from .callbacks import (
     Throughput,
     WandbConfig,
 )
+from .callbacks.safety import SafetyConfig
 from .data import DPOData, GRPOData, PretrainData, SFTData
 from .data.preprocess import Section
 from .data.sources import Arithmetic
@@ -48,6 +49,7 @@ OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "configuration-refere
 # (heading, where it goes in a config, its classes)
 GROUPS: list[tuple[str, str, list[type]]] = [
     ("Weights & Biases", "`wandb:` (top level)", [WandbConfig]),
+    ("Run protections", "`safety:` (top level)", [SafetyConfig]),
     ("Objectives", "`model.class_path` and `model.init_args`", [Pretrain, SFT, DPO, GRPO]),
     ("Model shape", "`model.init_args.arch`", [ModelConfig]),
     ("Learning-rate schedules", "`model.init_args.scheduler`", [WarmupCosine, WarmupStableDecay]),

@@ -1,5 +1,6 @@
 """Helpers for tests that run `astrai-pl fit` in subprocesses: configs derived from configs/pretrain/debug.yaml,
-launching, waiting, reading results. Imported by test_resume.py and test_parallel.py."""
+launching (also of shipped configs, and with a kill halfway through a checkpoint write), waiting, reading
+results. Imported by test_resume.py, test_parallel.py and test_run_safety.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = ROOT / "configs" / "pretrain" / "debug.yaml"
+KILLED_WRITES = ROOT / "tests" / "killed_writes"  # sitecustomize.py: SIGKILL halfway through a write
 WORDS = (
     "the a of to and in is it that for on with as was at by an be this which or from python code list "
     "dict value error type class module function object string number file"
@@ -104,30 +107,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: Path, *args: str, threads: int = 1) -> subprocess.Popen:
-    """Start `python -m astrai_pl.cli fit --config config …` in the config's folder, in its own session."""
-    env = {
+def _env(threads: int, extra_path: tuple[Path, ...] = (), **variables: str) -> dict[str, str]:
+    return {
         **os.environ,
         "OMP_NUM_THREADS": str(threads),
         "MASTER_PORT": str(free_port()),
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([*map(str, extra_path), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+        **variables,
     }
+
+
+def _start(folder: Path, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    log = open(folder / "run.log", "ab")
+    return subprocess.Popen(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def launch(config: Path, *args: str, threads: int = 1) -> subprocess.Popen:
+    """Start `python -m astrai_pl.cli fit --config config …` in the config's folder, in its own session."""
     cmd = [sys.executable, "-m", "astrai_pl.cli", "fit", "--config", str(config), *args]
-    log = open(config.parent / "run.log", "ab")
-    return subprocess.Popen(
-        cmd, cwd=config.parent, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    return _start(config.parent, cmd, _env(threads))
 
 
-def finish(proc: subprocess.Popen, timeout: float = 240) -> None:
-    """Wait for a launched run and fail with the end of its log unless it exited cleanly."""
+def launch_in(folder: Path, config: Path, *args: str, kill_write: tuple[Path, int] | None = None,
+              tmpdir: Path | None = None, threads: int = 1) -> subprocess.Popen:
+    """Start `python -m astrai_pl.cli fit --config config …` in `folder` (a shipped config's relative paths
+    resolve there). kill_write=(checkpoint folder, n): the run SIGKILLs itself halfway through writing the
+    n-th file it opens in that folder (tests/killed_writes). tmpdir: its TMPDIR."""
+    folder.mkdir(parents=True, exist_ok=True)
+    variables = {"TMPDIR": str(tmpdir)} if tmpdir else {}
+    if kill_write:
+        variables.update(KILL_WRITE_DIR=str(kill_write[0].resolve()), KILL_WRITE_COUNT=str(kill_write[1]))
+    cmd = [sys.executable, "-m", "astrai_pl.cli", "fit", "--config", str(config), *args]
+    return _start(folder, cmd, _env(threads, (KILLED_WRITES,) if kill_write else (), **variables))
+
+
+def other_filesystem(near: Path) -> Path:
+    """A fresh folder on another filesystem than `near` where there is one (/dev/shm), else one inside `near`."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) and shm.stat().st_dev != near.stat().st_dev else near
+    return Path(tempfile.mkdtemp(prefix="tmpdir-", dir=base))
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240, folder: Path | None = None) -> None:
+    """Wait for a launched run and fail with the end of its log unless it exited cleanly. folder: where
+    the run's log is when it is not the config's folder."""
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         proc.wait()
     if proc.returncode != 0:
-        folder = Path(proc.args[proc.args.index("--config") + 1]).parent
+        folder = folder or Path(proc.args[proc.args.index("--config") + 1]).parent
         raise AssertionError(
             f"run in {folder} exited with {proc.returncode}:\n" + (folder / "run.log").read_text()[-4000:]
         )
