@@ -35,10 +35,18 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_TURN_MARKER = "zq7Xturnmarker"  # assistant content that no template alters
 
 
 class TokenizerError(ValueError):
     """A tokenizer file or argument is malformed or inconsistent."""
+
+
+class ChatTemplateError(TokenizerError, jinja2.TemplateError):
+    """The chat template failed to compile or to render (a syntax error, `raise_exception`, an unsafe access)."""
+
+    def __init__(self, message: str):
+        TokenizerError.__init__(self, message)
 
 
 # --- chat templates -------------------------------------------------------------------------------
@@ -97,9 +105,21 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise TokenizerError(f"{path} is not valid JSON ({err}); restore or regenerate the file") from err
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise TokenizerError(f"{path} is not valid JSON ({err}); restore or regenerate the file") from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path} holds a JSON {type(value).__name__}, not an object; restore or regenerate "
+                             "the file")
+    return value
+
+
+def _read_backend(path: Path) -> Backend:
+    try:
+        return Backend.from_file(str(path))
+    except Exception as err:  # `tokenizers` raises a bare Exception for any unreadable file
+        raise TokenizerError(f"{path} is not a tokenizer file the `tokenizers` library can read ({err}); "
+                             "restore it, or re-save the tokenizer with save_pretrained") from None
 
 
 def _write_atomic(path: Path, text: str | dict[str, Any]) -> None:
@@ -121,7 +141,12 @@ def _read_special_tokens(folder: Path, config: dict[str, Any]) -> dict[str, str]
     """Named special tokens from tokenizer_config.json (else special_tokens_map.json); strings or AddedToken dicts."""
     found = {**_read_json(folder / "special_tokens_map.json"), **config}
     tokens = {key: found.get(key) for key in SPECIAL_TOKEN_KEYS}
-    return {key: tok["content"] if isinstance(tok, dict) else tok for key, tok in tokens.items() if tok}
+    tokens = {key: tok["content"] if isinstance(tok, dict) else tok for key, tok in tokens.items() if tok}
+    for key, tok in tokens.items():
+        if not isinstance(tok, str):
+            raise TokenizerError(f"{folder / 'tokenizer_config.json'}: {key} is {tok!r}; give the token's text "
+                                 'as a string (e.g. "</s>") or an object with a "content" string')
+    return tokens
 
 
 def _read_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
@@ -131,7 +156,13 @@ def _read_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     value = config.get("chat_template")
     if value is None or isinstance(value, str):
         return value
-    named = {entry["name"]: entry["template"] for entry in value}
+    entries = value if isinstance(value, list) else [value]
+    if not all(isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str)
+               for e in entries):
+        raise TokenizerError(
+            f"{folder / 'tokenizer_config.json'}: chat_template is {str(value)[:80]!r}; give a jinja string or a "
+            'list of {"name": ..., "template": ...} objects')
+    named = {entry["name"]: entry["template"] for entry in entries}
     if "default" not in named:
         raise TokenizerError(
             f"{folder / 'tokenizer_config.json'}: chat_template lists {sorted(named)} but none is named "
@@ -204,9 +235,13 @@ class Tokenizer:
             )
         # tokenizer.json's post-processor decides what add_special_tokens adds; like transformers 5,
         # add_bos_token/add_eos_token in tokenizer_config.json are ignored when tokenizer.json exists.
-        backend = Backend.from_file(str(folder / "tokenizer.json"))
+        backend = _read_backend(folder / "tokenizer.json")
         config = _read_json(folder / "tokenizer_config.json")
-        max_length = int(config.get("model_max_length") or UNBOUNDED_LENGTH)
+        max_length = config.get("model_max_length") or UNBOUNDED_LENGTH
+        if not isinstance(max_length, (int, float)) or isinstance(max_length, bool) or not max_length >= 1:
+            raise TokenizerError(f"{folder / 'tokenizer_config.json'}: model_max_length is {max_length!r}; give a "
+                                 "positive number of tokens, or remove the key")
+        max_length = int(min(max_length, UNBOUNDED_LENGTH))
         return cls(
             backend, _read_special_tokens(folder, config), _read_chat_template(folder, config), max_length
         )
@@ -269,10 +304,33 @@ class Tokenizer:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """Ids that end a generation: eos plus any end-of-turn special token this vocabulary has."""
+        """Ids that end a generation: eos, any end-of-turn special token this vocabulary has, and the special
+        token the chat template writes right after an assistant message."""
         added = {token.content: i for i, token in self.backend.get_added_tokens_decoder().items()}
-        ids = [self.eos_token_id, *(added[token] for token in END_OF_TURN_TOKENS if token in added)]
+        ids = [self.eos_token_id, *(added[token] for token in END_OF_TURN_TOKENS if token in added),
+               self.template_end_of_turn_id()]
         return list(dict.fromkeys(i for i in ids if i is not None))
+
+    def template_end_of_turn_id(self) -> int | None:
+        """The special token that follows an assistant message's content in the chat template, or None.
+
+        Found by rendering a short conversation whose assistant content is a marker string; a template
+        that cannot render it (e.g. one that demands a system message) has none that can be found.
+        """
+        if self.chat_template is None:
+            return None
+        turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _TURN_MARKER}]
+        special = {i for i, token in self.backend.get_added_tokens_decoder().items() if token.special}
+        for messages in ([*turn, turn[0]], turn):
+            try:
+                text = self.apply_chat_template(messages, tokenize=False)
+            except (ChatTemplateError, TypeError, KeyError, IndexError):
+                continue
+            _, found, after = text.partition(_TURN_MARKER)
+            ids = self.encode(after.lstrip()) if found else []
+            if ids and ids[0] in special:
+                return ids[0]
+        return None
 
     def apply_chat_template(
         self,
@@ -293,11 +351,18 @@ class Tokenizer:
             )
         if len(messages) == 0:
             raise TokenizerError("apply_chat_template got an empty conversation; pass at least one message")
-        text = compile_chat_template(self.chat_template).render(
-            messages=[_template_message(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            **{"tools": None, "documents": None, **self.special_tokens, **kwargs},
-        )
+        try:
+            text = compile_chat_template(self.chat_template).render(
+                messages=[_template_message(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **{"tools": None, "documents": None, **self.special_tokens, **kwargs},
+            )
+        except jinja2.TemplateError as err:
+            why = f"{type(err).__name__}: {str(err).rstrip('.')}"
+            raise ChatTemplateError(
+                f"the chat template failed: {why}; fix the template (tokenizer_config.json 'chat_template' or "
+                "chat_template.jinja): it runs sandboxed and may only format the messages"
+            ) from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def save_pretrained(self, path: str | os.PathLike) -> None:

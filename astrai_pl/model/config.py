@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +16,37 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qw
 
 class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent with another one."""
+
+
+def finite_number(value: Any) -> float | None:
+    """`value` as a float when it is a finite real number (a bool or a string is not one), else None."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether `value` has the type `hint` spells (int, float, bool, str, None, dict, list[…], unions)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, (list, tuple)) and all(_matches(v, args[0]) for v in value)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return finite_number(value) is not None
+    return hint is Any or isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("NoneType", "None").replace("<class '", "").replace("'>", "")
 
 
 @dataclass
@@ -84,6 +119,7 @@ class ModelConfig:
     """Dtype recorded in config.json on export."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.moe_intermediate_size is None:
@@ -92,6 +128,18 @@ class ModelConfig:
             self.shared_expert_intermediate_size = self.num_shared_experts * self.moe_intermediate_size
         self.mlp_only_layers = list(self.mlp_only_layers)
         self._validate()
+
+    def _check_types(self) -> None:
+        for name, hint in typing.get_type_hints(type(self)).items():
+            value = getattr(self, name)
+            if _matches(value, hint):
+                continue
+            numeric = {int, float} & {hint, *typing.get_args(hint)}
+            infinite = isinstance(value, float) and not math.isfinite(value)
+            fix = ("write a number, without quotes" if isinstance(value, str) and numeric else
+                   "give a finite number" if infinite else f"give a value of type {_type_name(hint)}")
+            got = "a non-finite number" if infinite else type(value).__name__
+            raise ConfigError(f"ModelConfig.{name}={value!r}: must be {_type_name(hint)}, got {got}; {fix}")
 
     def _validate(self) -> None:
         def fail(name: str, why: str, fix: str) -> None:
@@ -121,7 +169,8 @@ class ModelConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ROPE_TYPES:
                 fail("rope_scaling", f"unknown rope_type {kind!r}", f"use one of {', '.join(ROPE_TYPES)}")
-            if kind != "default" and float(self.rope_scaling.get("factor", 0)) <= 0:
+            factor = self.rope_scaling.get("factor", 0)
+            if kind != "default" and not (_matches(factor, float) and factor > 0):
                 fail("rope_scaling", "needs a positive 'factor'", "add e.g. factor: 2.0")
         if self.num_experts < 0:
             fail("num_experts", "must be >= 0", "use 0 for a dense model")

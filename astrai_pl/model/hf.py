@@ -14,8 +14,13 @@ rotate-half. Those files are not read here: point `from_pretrained` at the HF-fo
 Loading first reads only the safetensors headers and checks every key and shape against the model
 config.json describes, so a bad checkpoint raises one typed error (see hf_config.py) naming the
 file, the key and the fix, before any tensor is read. The model is built on the meta device, then
-each shard's tensors are read and assigned shard by shard. `dtype=None` loads in torch's default
+each shard's tensors are read and assigned shard by shard; a tensor with NaN/inf values (as stored, or
+once cast) is refused, naming the file and the tensor. `dtype=None` loads in torch's default
 dtype (float32: what training wants); pass e.g. torch.bfloat16 for inference.
+
+generation_config.json lists as `eos_token_id` the model's end ids and, when a tokenizer is saved with
+it, the tokenizer's end-of-turn ids (see Tokenizer.eos_token_ids), so `transformers` and vLLM stop
+where a chat turn ends.
 
 Saving writes into a fresh temporary directory beside the target and renames it into place, so an
 interrupted save leaves either the old directory or the new one, never a half-written one.
@@ -41,6 +46,7 @@ from .hf_config import (
     CheckpointNotFoundError,
     ExportError,
     MissingWeightError,
+    NonFiniteWeightError,
     UnexpectedWeightError,
     UnsupportedCheckpointError,
     WeightShapeError,
@@ -53,7 +59,7 @@ from .hf_keys import Source, export_tensors, hf_name, is_ignored, sources_for
 from .layers import RotaryEmbedding, rope_frequencies
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "ExportError", "MissingWeightError",
-           "UnexpectedWeightError", "UnsupportedCheckpointError", "WeightShapeError",
+           "NonFiniteWeightError", "UnexpectedWeightError", "UnsupportedCheckpointError", "WeightShapeError",
            "load_pretrained", "read_config", "save_pretrained"]
 
 SINGLE_FILE = "model.safetensors"
@@ -67,9 +73,13 @@ def _read_json(file: Path) -> dict[str, Any]:
         raise CheckpointNotFoundError(f"{file} does not exist. Fix: point at a Hugging Face model directory "
                                       f"(it holds config.json and {SINGLE_FILE} or {INDEX_FILE}).")
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{file} is not valid JSON ({err}). Fix: re-download or re-export it.") from err
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file} is not valid JSON ({err}). Fix: re-download or re-export it.") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(value).__name__}, not an object. Fix: re-download or "
+                              "re-export it (transformers writes one object of key: value pairs).")
+    return value
 
 
 def read_config(path: str | Path) -> ModelConfig:
@@ -84,8 +94,12 @@ def read_config(path: str | Path) -> ModelConfig:
 def weight_files(root: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the shards its index names, or model.safetensors."""
     if (root / INDEX_FILE).is_file():
-        index = _read_json(root / INDEX_FILE)
-        names = sorted(set(index.get("weight_map", {}).values()))
+        weight_map = _read_json(root / INDEX_FILE).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v == Path(v).name
+                                                       for v in weight_map.values()):
+            raise CheckpointError(f"{root / INDEX_FILE}: 'weight_map' must map each tensor name to a shard file "
+                                  "name. Fix: re-download or re-export the checkpoint.")
+        names = sorted(set(weight_map.values()))
         for name in names:
             if not (root / name).is_file():
                 raise CheckpointNotFoundError(f"{root / INDEX_FILE} names shard {name!r}, which does not exist. "
@@ -155,8 +169,22 @@ def _check_plan(files: list[Path], cfg: ModelConfig, expected: dict[str, tuple[i
             "match the weights (vocab_size, hidden_size, intermediate_size, head counts, head_dim).")
 
 
+def _check_finite(file: Path, hf_key: str, tensor: torch.Tensor, cast: bool = False) -> None:
+    """Refuse a tensor with NaN/inf values: as stored, or (`cast`) once cast to the load dtype."""
+    finite = tensor.isfinite()
+    if finite.all():
+        return
+    if cast:
+        raise NonFiniteWeightError(
+            f"{file}: tensor {hf_key!r} overflows {tensor.dtype} when loaded. Fix: load it in a wider dtype "
+            "(e.g. dtype=torch.bfloat16 or torch.float32).")
+    raise NonFiniteWeightError(
+        f"{file}: tensor {hf_key!r} holds {int((~finite).sum())} NaN/inf value(s) of {tensor.numel()}. Fix: the "
+        "file is damaged or was saved after training diverged; re-download it or export an earlier checkpoint.")
+
+
 def _read_tensors(sources: dict[str, Source], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read every planned tensor, one shard open at a time, cast to `dtype`."""
+    """Read every planned tensor, one shard open at a time, cast to `dtype`; NaN/inf values are refused."""
     by_file: dict[Path, list[tuple[str, Source]]] = defaultdict(list)
     for key, source in sources.items():
         by_file[source.file].append((key, source))
@@ -167,7 +195,10 @@ def _read_tensors(sources: dict[str, Source], dtype: torch.dtype) -> dict[str, t
             for key, source in sorted(items, key=lambda item: item[1].key):
                 if source.key not in cache:
                     cache = {source.key: f.get_tensor(source.key)}
+                    _check_finite(file, source.key, cache[source.key])
                 state[key] = source.take(cache[source.key]).to(dtype)
+                if state[key].dtype != cache[source.key].dtype:
+                    _check_finite(file, source.key, state[key], cast=True)
     return state
 
 
@@ -290,7 +321,8 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = N
     try:
         _write_weights(work, tensors, max_shard_size)
         _write_json(work / "config.json", config_to_hf(cfg, dtype))
-        _write_json(work / "generation_config.json", generation_config(cfg))
+        end_ids = list(getattr(tokenizer, "eos_token_ids", None) or [])
+        _write_json(work / "generation_config.json", generation_config(cfg, end_ids))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(work))
         if target.is_dir():

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .config import MODEL_TYPES, ConfigError, ModelConfig
+from .config import MODEL_TYPES, ConfigError, ModelConfig, finite_number
 
 
 class CheckpointError(ValueError):
@@ -37,6 +37,10 @@ class UnexpectedWeightError(CheckpointError):
 
 class WeightShapeError(CheckpointError):
     """A weight's shape disagrees with the shape config.json implies."""
+
+
+class NonFiniteWeightError(CheckpointError):
+    """A weight holds NaN or infinite values (a damaged file, or one saved after training diverged)."""
 
 
 class ExportError(ValueError):
@@ -78,17 +82,32 @@ _COPIED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"
 
 
 # -- reading ----------------------------------------------------------------------------------------------
+def _number(value: Any, key: str, file: Path) -> float:
+    """`value` as a finite float, else a CheckpointError naming `key` of `file`."""
+    number = finite_number(value)
+    if number is None:
+        raise CheckpointError(f"{file}: key {key!r} is {value!r}. Fix: give a finite number (e.g. 10000.0), "
+                              "without quotes.")
+    return number
+
+
 def read_rope(raw: dict[str, Any], defaults: dict[str, Any], file: Path) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either layout; scaling is None for plain RoPE."""
-    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})  # transformers' precedence
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}  # transformers' precedence
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{file}: key 'rope_scaling' (or 'rope_parameters') is {params!r}. Fix: give an "
+                              'object such as {"rope_type": "linear", "factor": 2.0}, or null.')
+    params = dict(params)
     if params and all(isinstance(v, dict) for v in params.values()):
         raise UnsupportedCheckpointError(
             f"{file}: 'rope_parameters' has per-layer-type entries {sorted(params)}; only one RoPE for all "
             "layers is supported. Fix: use a checkpoint of one of the supported architectures.")
-    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or defaults["rope_theta"])
+    theta = _number(params.pop("rope_theta", None) or raw.get("rope_theta") or defaults["rope_theta"],
+                    "rope_theta", file)
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if float(params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0) != 1.0:
+    partial = params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
+    if _number(partial, "partial_rotary_factor", file) != 1.0:
         raise UnsupportedCheckpointError(
             f"{file}: key 'partial_rotary_factor' != 1 is not supported (every channel is rotated here). "
             "Fix: use a checkpoint that rotates whole heads.")
@@ -231,8 +250,12 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     return out
 
 
-def generation_config(cfg: ModelConfig) -> dict[str, Any]:
-    out = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "_from_model_config": True}
+def generation_config(cfg: ModelConfig, end_ids: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:
+    """generation_config.json: `eos_token_id` lists the model's end ids and `end_ids` (the tokenizer's end of
+    turn), so `transformers` and vLLM stop where a turn ends; one id is written as a plain int."""
+    eos = list(dict.fromkeys([*cfg.eos_token_ids, *end_ids]))
+    out = {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
+           "_from_model_config": True}
     if cfg.pad_token_id is not None:
         out["pad_token_id"] = cfg.pad_token_id
     return out

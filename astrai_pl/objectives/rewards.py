@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..data.synthetic import exact_match, extract_answer
+from ..model.config import finite_number
 
 RewardFunc = Callable[..., list]
 RewardSpec = str | dict[str, Any]
@@ -136,11 +137,21 @@ def load_reward_funcs(specs: Sequence[RewardSpec | Callable], weights: Sequence[
         name, fn = load_reward_func(spec, f"{owner}.reward_funcs[{i}]")
         seen[name] = seen.get(name, 0) + 1
         funcs.append((name if seen[name] == 1 else f"{name}_{seen[name]}", fn))
-    weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
+    weights = [1.0] * len(funcs) if weights is None else [_weight(w, f"{owner}.reward_weights[{i}]")
+                                                          for i, w in enumerate(weights)]
     if len(weights) != len(funcs):
         raise RewardError(f"{owner}.reward_weights has {len(weights)} entries for {len(funcs)} reward_funcs; "
                           "give one weight per function, or null for all 1.0")
     return funcs, weights
+
+
+def _weight(value: Any, where: str) -> float:
+    """A reward weight as a finite float: a NaN weight would zero its function's share of every total."""
+    weight = finite_number(value)
+    if weight is None:
+        raise RewardError(f"{where}={value!r}: a reward weight must be a finite number; give e.g. 1.0, or 0.0 "
+                          "to log a function without training on it")
+    return weight
 
 
 def spec_name(spec: RewardSpec | Callable) -> RewardSpec:

@@ -26,7 +26,7 @@ def test_exports_at_intervals_and_at_the_end(tmp_path):
     final = tmp_path / "hf" / "final"
     for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json"):
         assert (final / name).is_file(), name
-    assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == [2, 4]  # eos, <|im_end|>
     loaded = Transformer.from_pretrained(final)
     for key, value in module.model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value)

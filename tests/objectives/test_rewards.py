@@ -120,3 +120,12 @@ def test_reward_metrics_use_trl_names_and_population_statistics():
     assert m["frac_reward_zero_std"] == 0.0
     same = reward_metrics(["em"], per_func[:, :1], torch.tensor([1.0, 1.0, 0.0, 0.0]), group_size=2)
     assert same["frac_reward_zero_std"] == 1.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "heavy", None, True])
+def test_a_weight_that_is_not_a_finite_number_is_refused_with_its_index(bad):
+    specs = [f"{PATH}.format_reward", f"{PATH}.exact_match_reward"]
+    with pytest.raises(RewardError, match=rf"GRPO\.reward_weights\[1\]={bad!r}: .*finite number"):
+        load_reward_funcs(specs, [1.0, bad])
+    with pytest.raises(RewardError, match=r"GRPO\.reward_weights\[1\]="):
+        GRPO(init_from="/nonexistent/model.ckpt", reward_funcs=specs, reward_weights=[1.0, bad])
