@@ -76,7 +76,11 @@ def generation_eos_ids(model_path: str | Path) -> list[int]:
         raise CommandError(f"{path} is not a JSON object ({err}); fix or delete the file") from None
     if ids is None:
         return []
-    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+    ids = ids if isinstance(ids, list) else [ids]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CommandError(f"{path}: eos_token_id is {ids if len(ids) > 1 else ids[0]!r}; give a token id or a "
+                           "list of token ids (numbers without quotes), or delete the key")
+    return ids
 
 
 def default_tokenizer(model_path: str | Path) -> str:
@@ -253,6 +257,8 @@ class Conversation:
                                "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
         self.engine, self.tokenizer, self.params, self.system = engine, tokenizer, params, system
         self.session: Session | None = None
+        opening = [{"role": "system", "content": system}] if system else []
+        chat_ids(tokenizer, [*opening, {"role": "user", "content": "hi"}])  # a broken template fails here
         self.messages: list[dict[str, str]] = []
         self.reset()
 
@@ -343,5 +349,7 @@ def chat_verb(argv: list[str], stdin: IO[str] | None = None, stdout: IO[str] | N
         _chat_loop(conversation, stdin, stdout, interactive)
     except KeyboardInterrupt:
         stdout.write("\n")
+    except USER_ERRORS as err:
+        raise _fail("chat", err) from None
     finally:
         conversation.close()
