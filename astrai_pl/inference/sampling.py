@@ -6,19 +6,21 @@ A draw inverts the cumulative distribution: with C_i = p_0 + … + p_i (summed i
 u ~ U[0, C_last), it picks the first token with C_i > u, which samples exactly from p with a single
 random number per row; tokens outside the kept set have p = 0, add nothing to C and can never be
 picked. A request with a seed draws u from its own generator, so its tokens do not depend on what else
-is in the batch.
+is in the batch. Whatever the logits hold (NaN, ±inf, a temperature of 1e-40), the token is a vocabulary
+id: NaN counts as -inf, +inf as the largest float32, and a row without a finite logit gets its argmax.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 
 class SamplingParamsError(ValueError):
-    """A SamplingParams field is out of range."""
+    """A SamplingParams field has the wrong type or is out of range."""
 
 
 @dataclass
@@ -57,29 +59,24 @@ class SamplingParams:
     """Leave special tokens out of the completion text."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop, self.stop_token_ids = list(self.stop), [int(t) for t in self.stop_token_ids]
+        self.validate()
 
-        def fail(name: str, why: str, fix: str) -> None:
-            raise SamplingParamsError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}; {fix}")
+    def validate(self) -> None:
+        """Check every field's type and range (bool is not a number here) and normalise the values.
 
-        if self.max_tokens < 0:
-            fail("max_tokens", "must be >= 0", "use 0 to only prefill, or a positive length")
-        if self.temperature < 0 or not math.isfinite(self.temperature):
-            fail("temperature", "must be a finite number >= 0", "use 0 for greedy or e.g. 0.7")
-        if self.top_k < 0:
-            fail("top_k", "must be >= 0", "use 0 to disable top-k")
-        if not 0 < self.top_p <= 1:
-            fail("top_p", "must lie in (0, 1]", "use 1.0 to disable nucleus sampling")
-        if not 0 <= self.min_p <= 1:
-            fail("min_p", "must lie in [0, 1]", "use 0 to disable min-p")
-        if self.repetition_penalty <= 0:
-            fail("repetition_penalty", "must be > 0", "use 1.0 for no penalty")
-        if self.n < 1:
-            fail("n", "must be >= 1", "ask for at least one completion")
-        if any(not s for s in self.stop):
-            fail("stop", "contains an empty string", "remove it")
+        Raises SamplingParamsError naming the field, the value and the fix. The engine calls this again
+        when a request is added, so fields changed after construction are checked too.
+        """
+        for name, low, fix in _INTEGER_FIELDS:
+            setattr(self, name, _integer(self, name, low, fix))
+        for name, in_range, why, fix in _FLOAT_FIELDS:
+            setattr(self, name, _real(self, name, in_range, why, fix))
+        for name in ("ignore_eos", "logprobs", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(self, name, "must be True or False", f"pass a bool, not {_kind(getattr(self, name))}")
+        self.seed = _seed(self)
+        self.stop = _stop_strings(self)
+        self.stop_token_ids = _stop_token_ids(self)
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +89,97 @@ class SamplingParams:
     @property
     def truncated(self) -> bool:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64)
+
+# (field, lowest value, fix)
+_INTEGER_FIELDS = (
+    ("max_tokens", 0, "use 0 to only prefill, or a positive length"),
+    ("top_k", 0, "use 0 to disable top-k"),
+    ("n", 1, "ask for at least one completion"),
+)
+# (field, range check, what the range is, fix)
+_FLOAT_FIELDS = (
+    ("temperature", lambda x: x >= 0, "must be a finite number >= 0", "use 0 for greedy or e.g. 0.7"),
+    ("top_p", lambda x: 0 < x <= 1, "must lie in (0, 1]", "use 1.0 to disable nucleus sampling"),
+    ("min_p", lambda x: 0 <= x <= 1, "must lie in [0, 1]", "use 0 to disable min-p"),
+    ("repetition_penalty", lambda x: x > 0, "must be > 0", "use 1.0 for no penalty"),
+    ("frequency_penalty", lambda x: True, "must be a finite number", "use 0 for no penalty"),
+    ("presence_penalty", lambda x: True, "must be a finite number", "use 0 for no penalty"),
+)
+
+
+def _fail(params: SamplingParams, name: str, why: str, fix: str):
+    shown = repr(getattr(params, name))
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    raise SamplingParamsError(f"SamplingParams.{name}={shown}: {why}; {fix}")
+
+
+def _kind(value) -> str:
+    return type(value).__name__
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _integer(params: SamplingParams, name: str, low: int, fix: str) -> int:
+    value = getattr(params, name)
+    if not _is_integer(value):
+        _fail(params, name, f"must be a whole number, got {_kind(value)}", fix)
+    if value < low:
+        _fail(params, name, f"must be >= {low}", fix)
+    return int(value)
+
+
+def _real(params: SamplingParams, name: str, in_range, why: str, fix: str) -> float:
+    value = getattr(params, name)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        _fail(params, name, f"must be a number, got {_kind(value)}", fix)
+    try:
+        x = float(value)
+    except OverflowError:
+        x = math.inf
+    if not math.isfinite(x) or abs(x) > _FLOAT32_MAX:  # the sampler computes in float32
+        _fail(params, name, "must be finite (within ±3.4e38, float32)", fix)
+    if not in_range(x):
+        _fail(params, name, why, fix)
+    return x
+
+
+def _seed(params: SamplingParams) -> int | None:
+    seed = params.seed
+    if seed is None:
+        return None
+    fix = f"use None (the shared generator) or a whole number in [0, 2**64 - n] (n={params.n})"
+    if not _is_integer(seed):
+        _fail(params, "seed", f"must be a whole number or None, got {_kind(seed)}", fix)
+    if not 0 <= seed <= _SEED_LIMIT - params.n:  # sample i of n draws from seed + i
+        _fail(params, "seed", "is outside what a torch.Generator takes", fix)
+    return int(seed)
+
+
+def _stop_strings(params: SamplingParams) -> list[str]:
+    stop = [params.stop] if isinstance(params.stop, str) else params.stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        _fail(params, "stop", "must be a string or a list of strings", 'pass e.g. ["\\n\\n"]')
+    if any(not s for s in stop):
+        _fail(params, "stop", "contains an empty string", "remove it")
+    return list(stop)
+
+
+def _stop_token_ids(params: SamplingParams) -> list[int]:
+    ids = params.stop_token_ids
+    fix = "pass a list of token ids, e.g. [2]"
+    if not isinstance(ids, (list, tuple)):
+        _fail(params, "stop_token_ids", f"must be a list of ints >= 0, got {_kind(ids)}", fix)
+    bad = [t for t in ids if not _is_integer(t) or t < 0]
+    if bad:
+        _fail(params, "stop_token_ids", f"holds {bad[0]!r}, not a token id (an int >= 0)", fix)
+    return [int(t) for t in ids]
 
 
 def apply_penalties(
@@ -147,6 +235,7 @@ def sample(
             if p.penalised:
                 ctx = torch.tensor(contexts[i], dtype=torch.int64, device=logits.device)
                 apply_penalties(logits[i], p, ctx, ctx[len(ctx) - num_outputs[i] :])
+        logits = _finite(logits)  # a penalty may overflow a logit to ±inf
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if len(drawn) == len(params):  # every row samples: no argmax to overwrite
         tokens = _draw(logits, params, generators)
@@ -161,18 +250,29 @@ def sample(
     return token_list, chosen.tolist()
 
 
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """+inf becomes the largest float32 and NaN becomes -inf (never drawn); -inf stays."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
+
+
 def _draw(
     logits: torch.Tensor,  # (M, V)
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
-    device = logits.device
+    """One token per row. A row without probability mass (no finite logit) gets its argmax, so the
+    token is always a vocabulary id."""
+    device, V = logits.device, logits.shape[-1]
+    logits = _finite(logits)
+    fallback = logits.argmax(dim=-1)
     if any(p.temperature != 1 for p in params):
-        logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+        # (l - max) / T: the same distribution as l / T, and no overflow however small T is
+        temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if any(p.truncated for p in params):
         logits = mask_top_k_top_p_min_p(
             logits,
-            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([min(p.top_k, V) for p in params], device=device),
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
         )
@@ -185,5 +285,8 @@ def _draw(
         if g is not None:
             u[i] = torch.rand(1, dtype=torch.float64, device=device, generator=g)
     total = cdf[:, -1:]
+    massless = ~(total[:, 0] > 0)  # NaN or 0: no finite logit in the row
+    total = torch.where(massless[:, None], torch.ones_like(total), total)
     u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # u < C_last, always
-    return torch.searchsorted(cdf, u, right=True)[:, 0]
+    drawn = torch.searchsorted(cdf, u, right=True)[:, 0]
+    return torch.where(massless, fallback, drawn.clamp_max(V - 1))
