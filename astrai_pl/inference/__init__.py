@@ -7,6 +7,7 @@
 See docs/inference.md for the design.
 """
 
+from .admission import PromptError
 from .backends import (
     BACKEND_NAMES,
     FLASH_ATTN_AVAILABLE,
@@ -20,7 +21,7 @@ from .cache import CapacityError, InferenceError, KVStorage, PageAllocator, ReqT
 from .engine import Engine, EngineConfigError, EngineStats
 from .pool import KVPool, PoolUsage
 from .radix import RadixCache
-from .request import Completion, Delta
+from .request import Completion, Delta, RequestError
 from .sampling import SamplingParams, SamplingParamsError, sample
 from .sessions import Session, SessionError, SessionMemory, model_fingerprint
 from .text import TextStream
@@ -40,8 +41,10 @@ __all__ = [
     "KVStorage",
     "PageAllocator",
     "PoolUsage",
+    "PromptError",
     "RadixCache",
     "ReqToTokenPool",
+    "RequestError",
     "SamplingParams",
     "SamplingParamsError",
     "Session",

@@ -19,13 +19,14 @@ from itertools import count
 
 import torch
 
+from .admission import check_params, check_room, is_single_prompt, prompt_token_ids
 from .cache import CapacityError, InferenceError, KVStorage, ReqToTokenPool
-from .pool import KVPool, PoolUsage
-from .request import Completion, Delta, Request
+from .pool import KVPool, PoolUsage, default_total_tokens
+from .request import Completion, Delta, Request, RequestError
 from .runner import ModelRunner
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, SamplingParamsError, sample
 from .scheduler import Scheduler
-from .sessions import Session, load_session
+from .sessions import FingerprintCache, Session, load_session
 from .text import TextStream
 
 Prompt = str | Sequence[int]
@@ -52,13 +53,6 @@ def _positive(name: str, value: int) -> int:
     if value < 1:
         raise EngineConfigError(f"Engine {name}={value}: must be >= 1; pass a positive value")
     return value
-
-
-def _default_total_tokens(device: torch.device, bytes_per_token: int, max_context: int) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(max_context, int(0.8 * free) // bytes_per_token)
-    return min(32768, 64 * max_context)  # a sane CPU cap: at most 32k tokens
 
 
 class Engine:
@@ -111,14 +105,12 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._ids = count()
         self._counts = dict(steps=0, prefill_tokens=0, decode_tokens=0, cached_tokens=0, forks=0)
+        self.fingerprint = FingerprintCache(model)
 
     def _build_pool(self, page_size, max_total_tokens, max_batch_size, prefix_cache, contiguous) -> KVPool:
         cfg = self.model.config
         if max_total_tokens is None:
-            per_token = (
-                2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_size * self.dtype.itemsize
-            )
-            max_total_tokens = _default_total_tokens(self.device, per_token, cfg.max_position_embeddings)
+            max_total_tokens = default_total_tokens(cfg, self.device, self.dtype)
         self.max_context = min(cfg.max_position_embeddings, max_total_tokens)
         if contiguous:
             page_size, prefix_cache = self.max_context, False
@@ -160,17 +152,19 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Completions for each prompt (a string or a list of ids): n per prompt, grouped by prompt, in order."""
-        prompts = [prompts] if _is_single(prompts) else list(prompts)
+        prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        if not isinstance(params, Sequence):
+            raise SamplingParamsError(
+                f"params must be SamplingParams or a list of them, got {type(params).__name__}"
+            )
         if len(params) != len(prompts):
-            raise ValueError(
+            raise SamplingParamsError(
                 f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each"
             )
         requests = [self._request(p, sp) for p, sp in zip(prompts, params)]
-        for req in requests:
-            self._submit(req)
-        self._run_until(lambda: all(r.finished for req in requests for r in req.group))
+        self._complete(requests)
         return [r.completion() for req in requests for r in sorted(req.group, key=lambda r: r.index)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Delta]:
@@ -184,13 +178,13 @@ class Engine:
         return req.id
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now and release every page it holds."""
-        req = self._requests.get(request_id)
-        if req is None:
-            return
-        if req in self.scheduler.waiting:
-            self.scheduler.waiting.remove(req)
-        self._finish(req, "abort")
+        """Stop a request now, all n of its samples, and release every page they hold."""
+        forks = request_id + "."  # sample i of request r is "r.i"
+        for req in [r for rid, r in self._requests.items() if rid == request_id or rid.startswith(forks)]:
+            req.forks_left = 0
+            if req in self.scheduler.waiting:
+                self.scheduler.waiting.remove(req)
+            self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
         return not self.scheduler.idle
@@ -234,10 +228,16 @@ class Engine:
         """
         if self.runner.weights is not None:
             self.runner.weights.clear()
+        self.fingerprint.clear()
         return self.reset_prefix_cache()
 
     def step(self) -> list[Delta]:
-        """Run one scheduling step; returns what every request gained."""
+        """Run one scheduling step; returns what every request gained.
+
+        A failure while computing or sampling fails only the requests it concerns: the step is run again
+        one request at a time, and a request that fails alone ends with finish_reason "error" (its Delta's
+        completion says why) and gives its pages back.
+        """
         self.expire_sessions()
         plan = self.scheduler.schedule()
         if not plan:
@@ -245,8 +245,7 @@ class Engine:
         self._counts["steps"] += 1
         self._count_tokens(plan)
         with torch.inference_mode():
-            ready, logits = self.runner.forward([(r, n) for r, n in plan if n > 0])
-            deltas = self._advance(plan, ready, logits)
+            deltas = self._run(plan)
         if self.debug:
             self.check()
         return deltas
@@ -259,32 +258,10 @@ class Engine:
         session: Session | None = None,
         history: list[int] | None = None,
     ) -> Request:
-        ids = self._encode(prompt)
-        tokens = (history or []) + ids
-        if not tokens:
-            raise ValueError("the prompt is empty; pass at least one token (e.g. the BOS id)")
-        if len(tokens) >= self.max_context:
-            raise CapacityError(
-                f"prompt of {len(tokens)} tokens leaves no room in the context of {self.max_context}; "
-                "shorten it or raise max_total_tokens / the model's max_position_embeddings"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                f"stop strings {params.stop!r} need a tokenizer; pass tokenizer= or use stop_token_ids"
-            )
-        if params.n > self.scheduler.max_batch_size:
-            raise CapacityError(
-                f"SamplingParams.n={params.n} samples run at once but max_batch_size is "
-                f"{self.scheduler.max_batch_size}; lower n or raise max_batch_size"
-            )
-        need = min(len(tokens) + params.max_tokens, self.max_context)
-        capacity = self.pool.num_pages - (params.n - 1)
-        if self.pool.pages_for(need) > capacity:
-            raise CapacityError(
-                f"{params.n} samples of {len(tokens)} prompt + {params.max_tokens} new tokens need "
-                f"{self.pool.pages_for(need) + params.n - 1} pages of {self.page_size}, the pool has "
-                f"{self.pool.num_pages}; raise max_total_tokens or lower max_tokens or n"
-            )
+        vocab_size = self.model.config.vocab_size
+        check_params(params, vocab_size, self.tokenizer is not None)
+        tokens = (history or []) + prompt_token_ids(prompt, self.tokenizer, vocab_size)
+        check_room(len(tokens), params, self.max_context, self.scheduler.max_batch_size, self.pool)
         stream = self._text_stream(params)
         return Request(f"req-{next(self._ids)}", tokens, params, stream, session=session, device=self.device)
 
@@ -293,13 +270,6 @@ class Engine:
             return None
         return TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
 
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass tokenizer= to Engine or token ids")
-            return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
-
     def _submit(self, req: Request) -> None:
         self._requests[req.id] = req
         self.scheduler.waiting.append(req)
@@ -307,7 +277,7 @@ class Engine:
     def _stream(self, req: Request) -> Iterator[Delta]:
         """Queue `req` now; the returned iterator drives the engine until it finishes (abort if abandoned)."""
         if req.params.n != 1:
-            raise ValueError(
+            raise SamplingParamsError(
                 f"stream() returns one completion, got SamplingParams.n={req.params.n}; use generate()"
             )
         self._submit(req)
@@ -317,6 +287,8 @@ class Engine:
         try:
             while not req.finished:
                 for delta in self._step_or_fail():
+                    if delta.request_id == req.id and delta.finish_reason == "error":
+                        raise RequestError(req.id, req.error)
                     if delta.request_id == req.id and (delta.token_ids or delta.finish_reason):
                         yield delta
         finally:
@@ -326,6 +298,25 @@ class Engine:
     def _run_until(self, done) -> None:
         while not done():
             self._step_or_fail()
+
+    def _complete(self, requests: list[Request]) -> None:
+        """Queue `requests` and step until all their samples finish. On any exception they are aborted
+        (nothing stays queued behind it); a sample that failed in a step raises RequestError."""
+        for req in requests:
+            self._submit(req)
+
+        def samples() -> list[Request]:
+            return [r for req in requests for r in req.group]
+
+        try:
+            self._run_until(lambda: all(r.finished for r in samples()))
+        except BaseException:
+            for r in samples():
+                self.abort(r.id)
+            raise
+        failed = next((r for r in samples() if r.error is not None), None)
+        if failed is not None:
+            raise RequestError(failed.id, failed.error)
 
     def _step_or_fail(self) -> list[Delta]:
         if self.scheduler.idle:
@@ -347,25 +338,32 @@ class Engine:
             self._counts["prefill_tokens"] += prompt_part
             self._counts["decode_tokens"] += n - prompt_part
 
-    def _advance(self, plan, ready: list[Request], logits: torch.Tensor | None) -> list[Delta]:
-        """Cache finished prompts, fork n > 1 requests, sample, append and stop."""
-        rows = [(req, logits[i]) for i, req in enumerate(ready)]
-        for req, n in plan:
-            if n == 0:  # next-token logits were already known (a session or a fork)
-                rows.append((req, req.ready_logits))
-                req.ready_logits = None
-        batch: list[tuple[Request, torch.Tensor]] = []
-        for req, row in rows:
-            if not req.prompt_cached and self.pool.radix is not None:
-                pages = self.pool.cache_prefix(req.tokens, req.pages, req.num_computed)
-                if pages != req.pages:
-                    req.pages, req.table_len = pages, 0
-                req.prompt_cached = True
-            if req.params.max_tokens == 0:  # prefill only: keep the logits for whoever continues
-                self._finish(req, "length", last_logits=row)
-                continue
-            batch.append((req, row))
-            batch += [(clone, row) for clone in self._fork(req)]
+    def _run(self, plan: list[tuple[Request, int]]) -> list[Delta]:
+        """Compute and sample `plan`; when that raises, run it again one request at a time.
+
+        An InferenceError (the engine's own, e.g. BackendUnavailable) and an interrupt concern every
+        request: the step is undone and the error propagates.
+        """
+        before = [(req, req.num_computed, req.table_len) for req, _ in plan]
+        try:
+            picks = self._compute(plan)
+        except BaseException as err:
+            if isinstance(err, Exception) and not isinstance(err, InferenceError):
+                return self._isolate(plan, before)
+            self._undo(before)
+            raise
+        return self._commit(picks)
+
+    def _compute(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int, float | None]]:
+        """Forward, cache finished prompts, fork n > 1 requests and sample: (request, token, logprob).
+
+        Until it returns, a request that was sampled keeps its logits in `ready_logits`, so a failure
+        after the forward loses nothing that was computed.
+        """
+        ready, logits = self.runner.forward([(r, n) for r, n in plan if n > 0])
+        for i, req in enumerate(ready):
+            req.ready_logits = logits[i]
+        batch = self._ready_batch(ready + [req for req, n in plan if n == 0])
         if not batch:
             return []
         reqs = [req for req, _ in batch]
@@ -376,10 +374,78 @@ class Engine:
             [len(r.tokens) - r.num_prompt for r in reqs],
             [r.generator for r in reqs],
         )
+        for req in reqs:
+            req.ready_logits = None
         return [
-            self._append(r, t, None if logprobs is None else logprobs[i])
-            for i, (r, t) in enumerate(zip(reqs, tokens))
+            (r, t, None if logprobs is None else logprobs[i]) for i, (r, t) in enumerate(zip(reqs, tokens))
         ]
+
+    def _ready_batch(self, candidates: list[Request]) -> list[tuple[Request, torch.Tensor]]:
+        """(request, next-token logits) to sample; prefill-only requests finish here instead."""
+        batch: list[tuple[Request, torch.Tensor]] = []
+        for req in candidates:
+            row = req.ready_logits
+            if not req.prompt_cached and self.pool.radix is not None:
+                pages = self.pool.cache_prefix(req.tokens, req.pages, req.num_computed)
+                if pages != req.pages:
+                    req.pages, req.table_len = pages, 0
+                req.prompt_cached = True
+            if req.params.max_tokens == 0:  # prefill only: keep the logits for whoever continues
+                req.ready_logits = None
+                self._finish(req, "length", last_logits=row)
+                continue
+            batch.append((req, row))
+            for clone in self._fork(req):
+                clone.ready_logits = row
+                batch.append((clone, row))
+        return batch
+
+    def _isolate(self, plan: list[tuple[Request, int]], before) -> list[Delta]:
+        """Run a failed step's requests one at a time; each that fails alone is failed and released."""
+        self.runner.forget_step_state()
+        _rewind(before)
+        planned = {id(req) for req, _ in plan}
+        forks = [r for r in self.scheduler.running if r.ready_logits is not None and id(r) not in planned]
+        deltas: list[Delta] = []
+        for i, (req, n) in enumerate(plan + [(clone, 0) for clone in forks]):
+            if req.finished:
+                continue
+            try:
+                picks = self._compute([(req, 0 if req.ready_logits is not None else n)])
+            except Exception as alone:
+                deltas.append(self._fail(req, alone))
+                continue
+            except BaseException:
+                self._undo(before[i:])  # the requests not run yet
+                raise
+            deltas += self._commit(picks)
+        return deltas
+
+    def _undo(self, before: list[tuple[Request, int, int]]) -> None:
+        """Undo a step that is not run again: counts rewound, the pages taken for its tokens given back."""
+        self.runner.forget_step_state()
+        _rewind(before)
+        for req, _, _ in before:
+            if not req.finished:
+                keep = self.pool.pages_for(req.num_computed)
+                self.pool.release(req.pages[keep:])
+                req.pages = req.pages[:keep]
+
+    def _commit(self, picks: list[tuple[Request, int, float | None]]) -> list[Delta]:
+        deltas = []
+        for req, token, logprob in picks:
+            try:
+                deltas.append(self._append(req, token, logprob))
+            except Exception as err:
+                deltas.append(self._fail(req, err))
+        return deltas
+
+    def _fail(self, req: Request, err: Exception) -> Delta:
+        """End `req` with finish_reason "error": its pages and row go back, the other requests go on."""
+        req.error = f"{type(err).__name__}: {err}"
+        req.ready_logits, req.forks_left = None, 0
+        self._finish(req, "error")
+        return Delta(req.id, "", [], "error", req.completion())
 
     def _fork(self, parent: Request) -> list[Request]:
         """Samples 1..n-1 of a prompt: full pages shared, the partial page copied; they sample now."""
@@ -434,8 +500,8 @@ class Engine:
         return usage
 
 
-def _is_single(prompts) -> bool:
-    """A string, or a sequence of ids (ints, or a 1-D tensor), rather than a list of prompts."""
-    if isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.dim() == 1):
-        return True
-    return len(prompts) > 0 and isinstance(prompts[0], int)
+def _rewind(before: list[tuple[Request, int, int]]) -> None:
+    """Undo a failed forward: requests without fresh logits compute their tokens again."""
+    for req, num_computed, table_len in before:
+        if req.ready_logits is None and not req.finished:
+            req.num_computed, req.table_len = num_computed, table_len

@@ -13,11 +13,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .cache import InferenceError
 from .sampling import SamplingParams
 from .text import TextStream
 
 if TYPE_CHECKING:
     from .sessions import Session
+
+
+class RequestError(InferenceError):
+    """A request failed inside a step; the engine dropped it, released its pages and serves the others."""
+
+    def __init__(self, request_id: str, error: str):
+        super().__init__(
+            f"{request_id} failed and was dropped ({error}); the engine serves the other requests"
+        )
+        self.request_id, self.error = request_id, error
 
 
 @dataclass
@@ -26,12 +37,13 @@ class Completion:
 
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (an end id, stop id or stop string) or "length"; "abort" when aborted
+    finish_reason: str  # "stop" (an end id, stop id or stop string) or "length"; "abort" / "error" otherwise
     logprobs: list[float] | None
     prompt_token_ids: list[int]
     cached_tokens: int  # prompt tokens whose K/V came from the prefix cache or a session
     index: int = 0  # which of the prompt's n samples
     request_id: str = ""
+    error: str | None = None  # why the request failed, when finish_reason is "error"
 
 
 @dataclass
@@ -78,6 +90,7 @@ class Request:
         self.ready_logits: torch.Tensor | None = None  # (V,) next-token logits known without a forward
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # set when a step failed for this request
         self.group: list[Request] = [self]  # this prompt's samples, index order once forked
         self.generator: torch.Generator | None = None
         if params.seed is not None:  # sample i of n draws from seed + i
@@ -118,4 +131,5 @@ class Request:
             cached_tokens=self.cached_tokens,
             index=self.index,
             request_id=self.id,
+            error=self.error,
         )

@@ -62,6 +62,11 @@ class ModelRunner:
                 return [], None
             return ready, self.model.lm_head(hidden[0, sample_at]).float()
 
+    def forget_step_state(self) -> None:
+        """Drop what attention backends carry from step to step (after a step that failed half-way)."""
+        self.scratch.pop("decode_mirror", None)
+        self.scratch.pop("decode_batch", None)
+
     def _write_table(self, plan: list[tuple[Request, int]]) -> tuple[list[int], list[int], list[int]]:
         """Fill each request's req_to_token row up to its new tokens; the step's ids, positions and slots."""
         ids: list[int] = []

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from .engine import Engine, Prompt
 
 FORMAT = "astrai_pl.session"
+VERSION = "2"  # version 1 files carry a fingerprint of sampled weights, which version 2 does not trust
+_HASH_CHUNK = 1 << 24  # elements hashed per host copy
 _ids = count()
 
 
@@ -47,14 +49,41 @@ class SessionError(InferenceError, ValueError):
 
 
 def model_fingerprint(model) -> str:
-    """SHA-256 over the config, every tensor's name, shape and dtype, and up to 4096 of its values."""
-    digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    """BLAKE2b over the config and every tensor of the state dict: its name, shape, dtype and every byte."""
+    config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    digest = hashlib.blake2b(config.encode(), digest_size=32)
     for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"\0{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
         flat = tensor.detach().reshape(-1)
-        picked = flat[:: max(1, flat.numel() // 4096)][:4096].to("cpu", torch.float64)
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(picked.numpy().tobytes())
+        for start in range(0, flat.numel(), _HASH_CHUNK):  # bounded host copies of GPU weights
+            digest.update(flat[start : start + _HASH_CHUNK].contiguous().cpu().view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+class FingerprintCache:
+    """`model_fingerprint(model)`, computed again only after `clear()` (which `Engine.weights_changed`
+    calls) or when a tensor was replaced or written in place (its storage or version counter moved)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._key: tuple | None = None
+        self._value = ""
+
+    def get(self) -> str:
+        key = tuple((name, t.data_ptr(), _version(t)) for name, t in self.model.state_dict().items())
+        if key != self._key:
+            self._key, self._value = key, model_fingerprint(self.model)
+        return self._value
+
+    def clear(self) -> None:
+        self._key = None
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor has no version counter; it changes only in inference mode
+        return -1
 
 
 @dataclass(frozen=True)
@@ -80,10 +109,12 @@ class Session:
 
     # -- turns ----------------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None) -> Completion:
-        """Append `prompt` (text or ids, may be empty) and generate a reply, which joins the session."""
+        """Append `prompt` (text or ids, may be empty) and generate a reply, which joins the session.
+
+        If the turn fails (RequestError) or is interrupted, the session keeps its history without the turn.
+        """
         req = self._request(prompt, params)
-        self.engine._submit(req)
-        self.engine._run_until(lambda: req.finished)
+        self.engine._complete([req])
         return req.completion()
 
     def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None) -> Iterator[Delta]:
@@ -114,14 +145,19 @@ class Session:
         return req
 
     def adopt(self, req: Request, last_logits: torch.Tensor | None) -> None:
-        """Take back the state of this session's finished request (the engine calls this)."""
+        """Take back the state of this session's finished request (the engine calls this). A failed
+        turn is dropped: the history stays, its pages go back (full ones to the radix cache)."""
         pool = self.engine.pool
         if req.num_computed and pool.radix is not None:
             req.pages = pool.cache_prefix(req.tokens, req.pages, req.num_computed)
-        self.pages, req.pages = req.pages, []
         if req.row is not None:
             pool.req_to_token.free(req.row)
             req.row = None
+        if req.error is not None:
+            pool.release(req.pages)
+            req.pages, self.pages, self.num_computed, self.last_logits, self._busy = [], [], 0, None, None
+            return
+        self.pages, req.pages = req.pages, []
         self.tokens, self.num_computed = list(req.tokens), req.num_computed
         last_logits = req.ready_logits if last_logits is None else last_logits  # aborted before sampling
         if last_logits is not None and self.num_computed == len(self.tokens):
@@ -200,34 +236,19 @@ class Session:
             tensors["last_logits"] = self.last_logits.cpu()
         metadata = {
             "format": FORMAT,
-            "version": "1",
-            "fingerprint": model_fingerprint(self.engine.model),
+            "version": VERSION,
+            "fingerprint": self.engine.fingerprint.get(),
             "num_computed": str(self.num_computed),
         }
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(path), metadata=metadata)
 
 
 def load_session(engine: Engine, path: str | Path, ttl: float | None = None) -> Session:
-    """Read a saved session into `engine`'s pool (the engine registers it)."""
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-        if metadata.get("format") != FORMAT:
-            raise SessionError(
-                f"{path} is not a saved session (format {metadata.get('format')!r}); "
-                "pass a file written by Session.save"
-            )
-        fingerprint = model_fingerprint(engine.model)
-        if metadata.get("fingerprint") != fingerprint:
-            raise SessionError(
-                f"{path} was saved from a different model (fingerprint {metadata.get('fingerprint', '?')[:12]} "
-                f"!= {fingerprint[:12]}); load it into an engine on the same weights and dtype, or start a new session"
-            )
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    """Read a saved session into `engine`'s pool (the engine registers it). Everything read is checked
+    before a page is taken, and a failure after that gives every page back."""
+    tokens, computed, k, v, logits = _checked(engine, path, *_read(engine, path))
     session = Session(engine, ttl)
-    session.tokens = tensors["tokens"].tolist()
-    computed = int(metadata["num_computed"])
-    if computed == len(session.tokens) and "last_logits" not in tensors:
-        computed -= 1  # without the logits the last token is recomputed, so its K/V are not needed
+    session.tokens = tokens
     if computed:
         pool = engine.pool
         pages = pool.allocate(pool.pages_for(computed))
@@ -236,11 +257,98 @@ def load_session(engine: Engine, path: str | Path, ttl: float | None = None) -> 
                 f"{path} needs {pool.pages_for(computed)} free pages, the pool has "
                 f"{pool.available()}; free memory or raise max_total_tokens"
             )
-        slots = torch.tensor(pool.slots(pages, 0, computed), dtype=torch.int64, device=pool.storage.k.device)
-        pool.storage.k[:, slots] = tensors["k"].to(pool.storage.k)
-        pool.storage.v[:, slots] = tensors["v"].to(pool.storage.v)
-        session.pages = pool.cache_prefix(session.tokens, pages, computed)
+        try:
+            slots = torch.tensor(
+                pool.slots(pages, 0, computed), dtype=torch.int64, device=pool.storage.k.device
+            )
+            pool.storage.k[:, slots] = k[:, :computed].to(pool.storage.k)
+            pool.storage.v[:, slots] = v[:, :computed].to(pool.storage.v)
+            session.pages = pool.cache_prefix(tokens, pages, computed)
+        except BaseException:
+            pool.release(pages)
+            raise
         session.num_computed = computed
-    if "last_logits" in tensors:
-        session.last_logits = tensors["last_logits"].to(engine.device)
+    if logits is not None:
+        session.last_logits = logits.to(engine.device, torch.float32)
     return session
+
+
+def _read(engine: Engine, path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The metadata and tensors of a session file, refused (SessionError) unless it is one for this model."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            _check_header(engine, path, metadata)
+            return metadata, {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except (SessionError, FileNotFoundError):
+        raise
+    except Exception as err:  # safetensors refuses a damaged or foreign file with its own error types
+        raise SessionError(
+            f"{path} is not a readable session file ({type(err).__name__}: {err}); pass a file written by "
+            "Session.save"
+        ) from err
+
+
+def _check_header(engine: Engine, path, metadata: dict[str, str]) -> None:
+    if metadata.get("format") != FORMAT:
+        raise SessionError(
+            f"{path} is not a saved session (format {metadata.get('format')!r}); pass a file written by Session.save"
+        )
+    if metadata.get("version") != VERSION:
+        raise SessionError(
+            f"{path} is a session file of version {metadata.get('version')!r}, this engine reads version "
+            f"{VERSION}; save the session again with this version"
+        )
+    fingerprint = engine.fingerprint.get()
+    if metadata.get("fingerprint") != fingerprint:
+        raise SessionError(
+            f"{path} was saved from a different model (fingerprint {metadata.get('fingerprint', '?')[:12]} "
+            f"!= {fingerprint[:12]}); load it into an engine on the same weights and dtype, or start a new session"
+        )
+
+
+def _checked(engine: Engine, path, metadata: dict[str, str], tensors: dict[str, torch.Tensor]):
+    """tokens, positions to load, K, V and logits (or None), each checked against the engine."""
+
+    def refuse(what: str) -> SessionError:
+        return SessionError(f"{path}: {what}; the file is damaged or was edited, save the session again")
+
+    names = set(tensors)
+    if not {"tokens", "k", "v"} <= names <= {"tokens", "k", "v", "last_logits"}:
+        raise refuse(f"holds the tensors {sorted(names)}, a session has tokens, k, v and maybe last_logits")
+    tokens = _checked_tokens(engine, tensors["tokens"], refuse)
+    count = metadata.get("num_computed", "")
+    if not (count.isascii() and count.isdigit()) or int(count) > len(tokens):
+        raise refuse(f"num_computed={count!r} is not a count of 0..{len(tokens)} tokens")
+    computed = int(count)
+    storage = engine.pool.storage.k
+    expected = (storage.shape[0], computed, storage.shape[2], storage.shape[3])
+    for name in ("k", "v"):
+        t = tensors[name]
+        if tuple(t.shape) != expected or t.dtype != storage.dtype:
+            raise refuse(f"{name} is {t.dtype} {tuple(t.shape)}, expected {storage.dtype} {expected}")
+        if not torch.isfinite(t).all():
+            raise refuse(f"{name} holds NaN or inf")
+    logits, vocab = tensors.get("last_logits"), engine.model.config.vocab_size
+    if logits is not None:
+        if computed != len(tokens) or tuple(logits.shape) != (vocab,) or not logits.dtype.is_floating_point:
+            raise refuse(
+                f"last_logits {logits.dtype} {tuple(logits.shape)} do not fit {computed} of {len(tokens)} "
+                f"computed tokens and a vocabulary of {vocab}"
+            )
+        if not torch.isfinite(logits).all():
+            raise refuse("last_logits hold NaN or inf")
+    elif computed and computed == len(tokens):
+        computed -= 1  # without the logits the last token is recomputed, so its K/V are not needed
+    return tokens, computed, tensors["k"], tensors["v"], logits
+
+
+def _checked_tokens(engine: Engine, tokens: torch.Tensor, refuse) -> list[int]:
+    vocab = engine.model.config.vocab_size
+    if tokens.dtype != torch.int64 or tokens.dim() != 1:
+        raise refuse(f"tokens are {tokens.dtype} of shape {tuple(tokens.shape)}, not a 1-D int64 list")
+    if tokens.numel() and not (int(tokens.min()) >= 0 and int(tokens.max()) < vocab):
+        raise refuse(f"tokens hold ids outside the vocabulary of {vocab}")
+    if tokens.numel() >= engine.max_context:
+        raise refuse(f"{tokens.numel()} tokens fill this engine's context of {engine.max_context}")
+    return tokens.tolist()
