@@ -118,6 +118,17 @@ def test_a_pickle_in_a_shard_never_runs(fsdp, tmp_path):
         assert not marker.exists()
 
 
+def test_metadata_that_points_outside_its_folder_is_refused(fsdp, tmp_path):
+    folder = _copy(fsdp.folder, tmp_path)
+    (folder / "checksums.json").unlink(missing_ok=True)
+    (tmp_path / "elsewhere").write_bytes(b"not for this reader")
+    metadata = pickle.loads((folder / ".metadata").read_bytes())  # our own file, written by the fixture
+    next(iter(metadata.storage_data.values())).relative_path = "../elsewhere"
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"points at '\.\./elsewhere', outside its folder"):
+        read_checkpoint(folder)
+
+
 # -- damage is one typed error naming the folder ------------------------------------------------------------
 @pytest.mark.parametrize("entry", ["read_checkpoint", "FSDP2Strategy"])
 def test_a_truncated_shard_is_a_checkpoint_error_naming_the_folder(fsdp, tmp_path, entry):
