@@ -228,9 +228,8 @@ def sample(
 ) -> tuple[list[int], list[float] | None]:
     """The next token of every row, and the raw log-probabilities of the chosen tokens if any row asks."""
     want_logprobs = any(p.logprobs for p in params)
-    raw = logits
+    raw, logits = logits, _finite(logits)  # a new tensor, which the penalties may write into
     if any(p.penalised for p in params):
-        logits = logits.clone()
         for i, p in enumerate(params):
             if p.penalised:
                 ctx = torch.tensor(contexts[i], dtype=torch.int64, device=logits.device)
@@ -256,14 +255,13 @@ def _finite(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(
-    logits: torch.Tensor,  # (M, V)
+    logits: torch.Tensor,  # (M, V), no NaN or +inf
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
     """One token per row. A row without probability mass (no finite logit) gets its argmax, so the
     token is always a vocabulary id."""
     device, V = logits.device, logits.shape[-1]
-    logits = _finite(logits)
     fallback = logits.argmax(dim=-1)
     if any(p.temperature != 1 for p in params):
         # (l - max) / T: the same distribution as l / T, and no overflow however small T is

@@ -171,12 +171,13 @@ NAN, INF = math.nan, math.inf
     "params",
     [
         SamplingParams(),
+        SamplingParams(temperature=0),
         SamplingParams(temperature=1e-40),
         SamplingParams(top_p=0.5, top_k=3),
         SamplingParams(repetition_penalty=1e-30),
         SamplingParams(frequency_penalty=-3e38, presence_penalty=3e38),
     ],
-    ids=["plain", "tiny_temperature", "truncated", "tiny_repetition_penalty", "huge_penalties"],
+    ids=["plain", "greedy", "tiny_temperature", "truncated", "tiny_repetition_penalty", "huge_penalties"],
 )
 def test_the_sampler_returns_a_vocabulary_id_whatever_the_logits(params):
     logits = torch.tensor(
