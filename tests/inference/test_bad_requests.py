@@ -124,6 +124,33 @@ def test_a_failure_in_one_requests_step_fails_only_that_request(
     assert engine.check().in_use == 0
     with pytest.raises(InferenceError, match=r"failed and was dropped.*injected"):
         engine.generate([POISON + [1], good[0]], GREEDY)
+    with pytest.raises(InferenceError, match=r"failed and was dropped.*injected"):
+        list(engine.stream(POISON + [2], GREEDY))
+    assert_serves_normally(engine, model, reference_greedy)
+
+
+def test_a_failed_session_turn_is_dropped_and_the_session_goes_on(
+    model, make_engine, reference_greedy, random_prompts, monkeypatch
+):
+    engine = make_engine(model, page_size=4)
+    first, second = random_prompts([10, 5], seed=48)
+    chat = engine.session()
+    reply = chat.generate(first, GREEDY)
+    history = list(chat.tokens)
+    forward = engine.runner.forward
+
+    def failing_forward(plan):
+        if any(POISON[0] in req.tokens[len(history) :] for req, _ in plan):
+            raise RuntimeError("injected forward failure")
+        return forward(plan)
+
+    monkeypatch.setattr(engine.runner, "forward", failing_forward)
+    with pytest.raises(InferenceError, match="injected"):
+        chat.generate(POISON, GREEDY)
+    assert chat.tokens == history and engine.check().in_use == 0  # its pages went back to the cache
+    again = chat.generate(second, GREEDY)
+    assert again.token_ids == reference_greedy(model, first + reply.token_ids + second, 8)
+    chat.close()
     assert_serves_normally(engine, model, reference_greedy)
 
 
