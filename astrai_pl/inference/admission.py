@@ -22,23 +22,18 @@ class PromptError(InferenceError, ValueError):
 
 
 def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
-    """The ids of a prompt (text, a sequence of ints or a 1-D integer tensor), each checked to be in the vocabulary."""
+    """The ids of a prompt (text, a sequence of ints, or a 1-D integer tensor or array), each checked to be
+    in the vocabulary."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise PromptError("a text prompt needs a tokenizer; pass tokenizer= to Engine or token ids")
         ids = list(tokenizer.encode(prompt))
-    elif isinstance(prompt, torch.Tensor):
-        if (
-            prompt.dim() != 1
-            or prompt.dtype.is_floating_point
-            or prompt.dtype.is_complex
-            or prompt.dtype == torch.bool
-        ):
+    elif _is_array(prompt):
+        if prompt.ndim != 1:
             raise PromptError(
-                f"a tensor prompt must be 1-D integer ids, got shape {tuple(prompt.shape)} {prompt.dtype}; "
-                "pass e.g. torch.tensor([1, 72, 105])"
+                f"an array prompt must be 1-D, got shape {tuple(prompt.shape)}; pass one row of ids"
             )
-        ids = prompt.tolist()
+        ids = prompt.tolist()  # floats and bools stay floats and bools, which the check below refuses
     elif isinstance(prompt, Sequence):
         ids = list(prompt)
     else:
@@ -67,12 +62,17 @@ def _check_ids(ids: list, vocab_size: int) -> None:
         )
 
 
+def _is_array(value) -> bool:
+    """A torch tensor or a NumPy array (anything with ndim, shape and tolist)."""
+    return isinstance(value, torch.Tensor) or all(hasattr(value, a) for a in ("ndim", "shape", "tolist"))
+
+
 def is_single_prompt(prompts) -> bool:
-    """A string, or a sequence of ids (ints, or a 1-D tensor), rather than a list of prompts.
+    """A string, or a sequence of ids (ints, or a 1-D tensor or array), rather than a list of prompts.
 
     Anything that is no sequence counts as one prompt, which `prompt_token_ids` then refuses."""
-    if isinstance(prompts, torch.Tensor):
-        return prompts.dim() != 2
+    if _is_array(prompts):
+        return prompts.ndim != 2
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
         return True
     return len(prompts) > 0 and isinstance(prompts[0], numbers.Integral)

@@ -3,6 +3,7 @@ alone: the engine releases it and serves every other request as if it had never 
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,9 +35,11 @@ def assert_serves_normally(engine, model, reference_greedy, prompt=(9, 40, 77, 1
         ([5, True], "True at position 1"),
         ([5, 6.0], "6.0 at position 1"),
         ([5, "7"], "'7' at position 1"),
-        (torch.tensor([5.0, 6.0]), "1-D integer ids"),
+        (torch.tensor([5.0, 6.0]), "5.0 at position 0"),
+        (torch.tensor([[[5]]]), "must be 1-D"),
+        (np.array([7, 1000]), "1000 at position 1"),
     ],
-    ids=["9999", "negative", "vocab_size", "huge", "bool", "float", "str", "float_tensor"],
+    ids=["9999", "negative", "vocab_size", "huge", "bool", "float", "str", "float_tensor", "3d", "numpy"],
 )
 def test_a_prompt_id_outside_the_vocabulary_is_refused_before_it_is_queued(
     prompt, shown, model, make_engine, reference_greedy
@@ -50,6 +53,21 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused_before_it_is_queued(
     with pytest.raises(ValueError, match=shown):
         engine.add_request(prompt, GREEDY)
     assert_serves_normally(engine, model, reference_greedy)
+
+
+def test_prompts_as_tensors_and_arrays_give_the_same_output_as_lists(model, make_engine, random_prompts):
+    engine = make_engine(model, page_size=4)
+    a, b = random_prompts([6, 9], seed=49)
+    expected = [o.token_ids for o in engine.generate([a, b], GREEDY)]
+
+    def outputs(prompts):
+        return [o.token_ids for o in engine.generate(prompts, GREEDY)]
+
+    assert outputs([torch.tensor(a), np.array(b)]) == expected
+    assert (
+        outputs([np.int64(t) for t in a]) == outputs(np.array(a)) == outputs(torch.tensor(a)) == expected[:1]
+    )
+    assert outputs(np.array([b, b])) == outputs(torch.tensor([b, b])) == [expected[1]] * 2
 
 
 def test_stop_ids_outside_the_vocabulary_and_other_params_objects_are_refused(
