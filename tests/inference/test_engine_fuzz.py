@@ -83,7 +83,7 @@ def test_random_requests_never_wedge_the_engine(model, make_engine):
     [baseline] = engine.generate([NORMAL], GREEDY)
 
     @settings(
-        max_examples=40,
+        max_examples=100,
         deadline=None,
         derandomize=True,
         database=None,
