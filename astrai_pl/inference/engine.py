@@ -22,7 +22,7 @@ import torch
 from .admission import check_params, check_room, is_single_prompt, prompt_token_ids
 from .cache import CapacityError, InferenceError, KVStorage, ReqToTokenPool
 from .pool import KVPool, PoolUsage, default_total_tokens
-from .request import Completion, Delta, Request, RequestError
+from .request import Completion, Delta, Request, RequestError, end_ids
 from .runner import ModelRunner
 from .sampling import SamplingParams, SamplingParamsError, sample
 from .scheduler import Scheduler
@@ -100,7 +100,7 @@ class Engine:
         self.pool = self._build_pool(page_size, max_total_tokens, max_batch_size, prefix_cache, contiguous)
         self.scheduler = Scheduler(self.pool, max_batch_size, max_step_tokens)
         self.runner = ModelRunner(model, self.pool, self.device, self.dtype)
-        self.eos_token_ids = self._eos_ids(model, tokenizer)
+        self.eos_token_ids = end_ids(model, tokenizer)
         self.sessions: dict[str, Session] = {}
         self._requests: dict[str, Request] = {}
         self._ids = count()
@@ -122,18 +122,6 @@ class Engine:
         storage = KVStorage.for_model(cfg, max_total_tokens // page_size * page_size, self.dtype, self.device)
         table = ReqToTokenPool(max_batch_size, self.max_context, self.device)
         return KVPool(storage, table, page_size, prefix_cache)
-
-    @staticmethod
-    def _eos_ids(model, tokenizer) -> set[int]:
-        ids = set(model.config.eos_token_ids)
-        if tokenizer is not None:
-            ids.update(getattr(tokenizer, "eos_token_ids", None) or [])
-        generation = getattr(model, "generation_config", None)
-        extra = getattr(generation, "eos_token_id", None)
-        if extra is None and isinstance(generation, dict):
-            extra = generation.get("eos_token_id")
-        ids.update([extra] if isinstance(extra, int) else extra or [])
-        return ids
 
     # -- public API -----------------------------------------------------------------------------------------
     @property

@@ -31,6 +31,19 @@ class RequestError(InferenceError):
         self.request_id, self.error = request_id, error
 
 
+def end_ids(model, tokenizer) -> set[int]:
+    """The ids that end a completion: the model config's, the tokenizer's and a `generation_config`'s."""
+    ids = set(model.config.eos_token_ids)
+    if tokenizer is not None:
+        ids.update(getattr(tokenizer, "eos_token_ids", None) or [])
+    generation = getattr(model, "generation_config", None)
+    extra = getattr(generation, "eos_token_id", None)
+    if extra is None and isinstance(generation, dict):
+        extra = generation.get("eos_token_id")
+    ids.update([extra] if isinstance(extra, int) else extra or [])
+    return ids
+
+
 @dataclass
 class Completion:
     """One finished sample: the generated ids (stop token included), their text, and why it ended."""
