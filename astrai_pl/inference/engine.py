@@ -373,10 +373,8 @@ class Engine:
         batch: list[tuple[Request, torch.Tensor]] = []
         for req in candidates:
             row = req.ready_logits
-            if not req.prompt_cached and self.pool.radix is not None:
-                pages = self.pool.cache_prefix(req.tokens, req.pages, req.num_computed)
-                if pages != req.pages:
-                    req.pages, req.table_len = pages, 0
+            if not req.prompt_cached:
+                self.scheduler.publish(req)
                 req.prompt_cached = True
             if req.params.max_tokens == 0:  # prefill only: keep the logits for whoever continues
                 req.ready_logits = None

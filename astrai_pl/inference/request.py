@@ -99,6 +99,7 @@ class Request:
         self.cached_tokens = 0
         self.started = False  # admitted at least once
         self.prompt_cached = False  # the prompt's full pages went into the radix cache
+        self.kv_from_file = False  # its K/V derive from a loaded session file: never cached
         self.forks_left = params.n - 1 if index == 0 else 0
         self.ready_logits: torch.Tensor | None = None  # (V,) next-token logits known without a forward
         self.logprobs: list[float] = []
@@ -130,6 +131,7 @@ class Request:
             f"{self.id}.{index}", self.prompt_ids, self.params, stream, index=index, device=device
         )
         clone.started, clone.cached_tokens, clone.group = True, clone.num_prompt, self.group
+        clone.kv_from_file = self.kv_from_file  # it starts on a copy of this request's pages
         self.group.append(clone)
         return clone
 

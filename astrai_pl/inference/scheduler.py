@@ -10,8 +10,9 @@ Each step, under a budget of `max_step_tokens` new tokens:
    prefix with one still in prefill waits for that prefill to finish and reuses its pages.
 
 When a running request needs a page and none is free or evictable, the youngest running request is
-preempted: its computed full pages go to the radix cache (where they stay if not evicted), the rest
-is freed, and it rejoins the queue at the front to be recomputed.
+preempted: its computed full pages go to the radix cache (where they stay if not evicted; pages whose
+K/V came from a session file are never cached), the rest is freed, and it rejoins the queue at the
+front to be recomputed.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Scheduler:
         self.release(req)
         req.num_computed = req.table_len = 0
         req.ready_logits = None
-        req.prompt_cached = False
+        req.prompt_cached = req.kv_from_file = False  # recomputed by the engine from here on
         self.waiting.appendleft(req)
         self.preemptions += 1
 
@@ -107,10 +108,16 @@ class Scheduler:
         self.running.append(clone)
         return True
 
+    def publish(self, req: Request) -> None:
+        """Put req's computed full pages in the radix cache, unless K/V read from a file went into them."""
+        if req.num_computed and not req.kv_from_file:
+            pages = self.pool.cache_prefix(req.tokens, req.pages, req.num_computed)
+            if pages != req.pages:
+                req.pages, req.table_len = pages, 0
+
     def release(self, req: Request) -> None:
         """Drop a request's pages (its computed full pages stay in the radix cache) and its row."""
-        if req.num_computed:
-            req.pages = self.pool.cache_prefix(req.tokens, req.pages, req.num_computed)
+        self.publish(req)
         self.pool.release(req.pages)
         req.pages = []
         if req.row is not None:
@@ -169,7 +176,7 @@ class Scheduler:
             return False
         uncached = len(req.tokens) - matched
         for other in self.running:
-            if other.prompt_cached or other.num_computed >= other.num_prompt:
+            if other.prompt_cached or other.kv_from_file or other.num_computed >= other.num_prompt:
                 continue
             shared = _common_prefix(req.tokens, other.tokens[: other.num_prompt]) // ps * ps
             if shared - matched >= max(ps, uncached // 2):

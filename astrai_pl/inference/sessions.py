@@ -14,6 +14,10 @@ computes only those, never the history again:
 After `ttl` seconds without use a session expires: its pages are unpinned (cached full pages become
 evictable, the partial page is freed) but its tokens stay, so it can still continue — recomputing
 whatever the cache no longer holds.
+
+K/V read from a file are untrusted: a loaded session, its forks and its turns keep their pages private
+(`kv_from_file`), never in the radix cache, until the session has none left (it expired, or a turn
+failed or was preempted) and the engine computes its tokens again.
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ class Session:
         self.pages: list[int] = []
         self.num_computed = 0
         self.last_logits: torch.Tensor | None = None  # (V,) when every token is computed
+        self.kv_from_file = False  # its K/V derive from a loaded file: kept out of the radix cache
         self.expired = self.closed = False
         self._busy: Request | None = None
         self.touch()
@@ -135,7 +140,7 @@ class Session:
         req = self.engine._request(
             prompt if prompt is not None else [], params, session=self, history=self.tokens
         )
-        req.pages, req.num_computed = self.pages, self.num_computed
+        req.pages, req.num_computed, req.kv_from_file = self.pages, self.num_computed, self.kv_from_file
         if self.num_computed:
             req.started, req.cached_tokens = True, min(self.num_computed, req.num_prompt)
         if self.num_computed == len(req.tokens):  # nothing new to compute: sample from the kept logits
@@ -148,16 +153,16 @@ class Session:
         """Take back the state of this session's finished request (the engine calls this). A failed
         turn is dropped: the history stays, its pages go back (full ones to the radix cache)."""
         pool = self.engine.pool
-        if req.num_computed and pool.radix is not None:
-            req.pages = pool.cache_prefix(req.tokens, req.pages, req.num_computed)
+        self.engine.scheduler.publish(req)
         if req.row is not None:
             pool.req_to_token.free(req.row)
             req.row = None
         if req.error is not None:
             pool.release(req.pages)
             req.pages, self.pages, self.num_computed, self.last_logits, self._busy = [], [], 0, None, None
+            self.kv_from_file = False
             return
-        self.pages, req.pages = req.pages, []
+        self.pages, req.pages, self.kv_from_file = req.pages, [], req.kv_from_file
         self.tokens, self.num_computed = list(req.tokens), req.num_computed
         last_logits = req.ready_logits if last_logits is None else last_logits  # aborted before sampling
         if last_logits is not None and self.num_computed == len(self.tokens):
@@ -182,6 +187,7 @@ class Session:
             raise SessionError(f"{self.id} is running {self._busy.id}; it cannot expire mid-turn")
         self.engine.pool.release(self.pages)
         self.pages, self.num_computed, self.last_logits, self.expired = [], 0, None, True
+        self.kv_from_file = False  # nothing of the file is left: the next turn recomputes
 
     def close(self) -> None:
         """Abort a running turn, release every page and forget the session."""
@@ -203,7 +209,7 @@ class Session:
         """An independent copy: full pages shared (copy-on-write), the partial page copied."""
         self._check_usable()
         child = self.engine.session(self.ttl)
-        child.tokens = list(self.tokens)
+        child.tokens, child.kv_from_file = list(self.tokens), self.kv_from_file
         if self.pages:
             pages = self.engine.pool.fork(self.pages, self.num_computed)
             if pages is None:
@@ -245,7 +251,8 @@ class Session:
 
 def load_session(engine: Engine, path: str | Path, ttl: float | None = None) -> Session:
     """Read a saved session into `engine`'s pool (the engine registers it). Everything read is checked
-    before a page is taken, and a failure after that gives every page back."""
+    before a page is taken, and a failure after that gives every page back. The pages stay the
+    session's own: K/V from a file never enter the radix cache, where other requests would use them."""
     tokens, computed, k, v, logits = _checked(engine, path, *_read(engine, path))
     session = Session(engine, ttl)
     session.tokens = tokens
@@ -263,11 +270,10 @@ def load_session(engine: Engine, path: str | Path, ttl: float | None = None) -> 
             )
             pool.storage.k[:, slots] = k[:, :computed].to(pool.storage.k)
             pool.storage.v[:, slots] = v[:, :computed].to(pool.storage.v)
-            session.pages = pool.cache_prefix(tokens, pages, computed)
         except BaseException:
             pool.release(pages)
             raise
-        session.num_computed = computed
+        session.pages, session.num_computed, session.kv_from_file = pages, computed, True
     if logits is not None:
         session.last_logits = logits.to(engine.device, torch.float32)
     return session
