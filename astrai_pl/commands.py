@@ -25,7 +25,7 @@ import torch
 
 from .callbacks.checkpoint import is_sharded_checkpoint, write_atomically
 from .data.pretrain import load_tokenizer
-from .data.rows import decode_line
+from .data.rows import UnreadableJson, decode_line, parse_json
 from .inference import CapacityError, Engine, InferenceError, SamplingParams, SamplingParamsError, Session
 from .model.config import ConfigError
 from .model.hf import CheckpointError
@@ -166,10 +166,10 @@ def read_prompts(path: str | Path, tokenizer: Tokenizer, chat_template: bool, ad
                 continue
             where = f"{path}:{number}"
             try:
-                row = json.loads(decode_line(raw))
+                row = parse_json(decode_line(raw))
                 ids = prompt_ids(row, tokenizer, chat_template, add_special_tokens)
-            except json.JSONDecodeError as err:
-                raise CommandError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); "
+            except UnreadableJson as err:
+                raise CommandError(f"{where}: not valid JSON ({err}); "
                                    'each line must be an object like {"prompt": "..."}') from None
             except (ValueError, jinja2.TemplateError) as err:
                 raise CommandError(f"{where}: {err}") from None

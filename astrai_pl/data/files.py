@@ -19,6 +19,7 @@ from pathlib import Path
 
 import datasets
 from datasets import Dataset, load_dataset
+from datasets.exceptions import DatasetGenerationError
 
 from .rows import UTF8_FIX, UTF8_SKIP_FIX, DataError, Dropped, check_policy, decode_line, log_skipped
 
@@ -107,15 +108,28 @@ def utf8_text(path: Path, on_bad_row: str | None, cache_dir: str | None, dropped
 
 
 def load_file(
-    path: str | Path, cache_dir: str | None, on_bad_row: str | None = None, dropped: Dropped | None = None
+    path: str | Path,
+    cache_dir: str | None,
+    on_bad_row: str | None = None,
+    dropped: Dropped | None = None,
+    source: str | None = None,
 ) -> Dataset:
     """A local txt/json/jsonl/parquet file through `datasets`, its cache kept in a folder named by the
     file's fingerprint (see the module's docstring); text files are checked for UTF-8 first (a bad line
-    is an error, or skipped with on_bad_row='skip')."""
+    is an error, or skipped with on_bad_row='skip'). A file `datasets` cannot turn into a table is a
+    DataError naming `source` (default: the file)."""
     if on_bad_row is not None:
         check_policy(on_bad_row)
+    source = source or str(path)
     path = Path(path)
     if path.suffix in TEXT_SUFFIXES:
         path = utf8_text(path, on_bad_row, cache_dir, dropped)
     folder = cache_root(cache_dir) / "by_content" / file_fingerprint(path)
-    return load_dataset(FILE_LOADERS[path.suffix], data_files=str(path), split="train", cache_dir=str(folder))
+    try:
+        return load_dataset(FILE_LOADERS[path.suffix], data_files=str(path), split="train", cache_dir=str(folder))
+    except DatasetGenerationError as err:
+        raise DataError(
+            f"datasets could not build a table from the rows ({err.__cause__ or err})",
+            fix="give each field one JSON type in every row, nested a few levels at most",
+            source=source,
+        ) from err

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from ..tokenizer import Tokenizer
 from .corpus import corpus_version, embedded_documents, is_held_out
+from .documents import check_jsonl_corpus, log_textless, require_text_column, textless_documents
 from .files import FILE_LOADERS, load_file, source_fingerprint
 from .rows import DataError
 from .sampling import StatefulLoader, data_parallel_rank, shuffled_batches
@@ -44,19 +45,21 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 def load_documents(path: str, text_field: str, cache_dir: str | None = None) -> Dataset:
     """A local txt/json/jsonl/parquet file, a directory saved by `datasets`, or a hub dataset name.
 
-    A text file must be UTF-8 throughout (DataError naming the first line that is not); files are
-    cached by content under `cache_dir` (default: the `datasets` cache)."""
+    A text file must be UTF-8 throughout and a JSONL line a JSON object whose text is a string or null
+    (DataError naming the first line that is not); files are cached by content under `cache_dir`
+    (default: the `datasets` cache). A missing `text_field` column is a DataError (a KeyError too)."""
     p = Path(path)
     if p.is_dir():
         ds = load_from_disk(str(p))
     elif p.suffix in FILE_LOADERS:
         if not p.is_file():
             raise FileNotFoundError(f"data path {path!r} does not exist; pass an existing file or directory")
+        if p.suffix == ".jsonl":
+            check_jsonl_corpus(p, text_field)
         ds = load_file(p, cache_dir)
     else:
         ds = load_dataset(path, split="train")
-    if text_field not in ds.column_names:
-        raise KeyError(f"{path}: no column {text_field!r} (columns: {ds.column_names}); set text_field")
+    require_text_column(ds, text_field, path)
     return ds
 
 
@@ -145,12 +148,15 @@ class PretrainData(L.LightningDataModule):
         if hp.path is None:
             docs = Dataset.from_list(embedded_documents())
             held = [is_held_out(t, hp.val_fraction, hp.seed) for t in docs["title"]]
+            textless = [False] * len(docs)
         else:
             docs = load_documents(hp.path, hp.text_field, str(self.cache_dir / "datasets"))
             held = [is_held_out(str(i), hp.val_fraction, hp.seed) for i in range(len(docs))]
+            textless = textless_documents(docs, hp.text_field, hp.path)
+            log_textless(textless, hp.path, hp.text_field)
         splits = {}
         for name, keep in (("train", False), ("val", True)):
-            subset = docs.select([i for i, h in enumerate(held) if h == keep])
+            subset = docs.select([i for i, h in enumerate(held) if h == keep and not textless[i]])
             splits[name] = token_windows(subset, self.tokenizer, hp.text_field, hp.seq_len, hp.num_proc)
             if len(splits[name]) == 0:
                 self._no_windows(name, subset)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -206,7 +207,7 @@ def read_jsonl(
         numbered = [(n, raw) for n, raw in enumerate(handle, start=1) if raw.strip()]
     for number, raw in numbered:
         try:
-            row = _parse_line(decode_line(raw, UTF8_SKIP_FIX))
+            row = parse_row(decode_line(raw, UTF8_SKIP_FIX))
             if check is not None:
                 check(row)
         except DataError as err:
@@ -221,14 +222,36 @@ def read_jsonl(
     return JsonlRows(rows, lines, len(skipped))
 
 
-def _parse_line(text: str) -> dict[str, Any]:
+class UnreadableJson(ValueError):
+    """Text that `json.loads` cannot turn into a value; the message says why."""
+
+
+def parse_json(text: str, parse_int: Callable[[str], Any] | None = None) -> Any:
+    """`json.loads(text)` (integers read by `parse_int`), or UnreadableJson saying why not: a syntax error
+    and its column, nesting deeper than the parser recurses, or an integer longer than Python converts.
+    Nothing else escapes."""
     try:
-        row = json.loads(text)
+        return json.loads(text, parse_int=parse_int)
     except json.JSONDecodeError as err:
-        raise DataError(
-            f"malformed JSON ({err.msg} at column {err.colno})",
-            fix="repair the line, or pass on_bad_row='skip' to drop it",
-        ) from None
+        raise UnreadableJson(f"{err.msg} at column {err.colno}") from None
+    except RecursionError:
+        raise UnreadableJson("nested too deeply to parse") from None
+    except ValueError:  # the only other one: an integer past sys.get_int_max_str_digits()
+        raise UnreadableJson(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
+
+
+MALFORMED_FIX = "repair the line (store long numbers as strings)"
+
+
+def parse_row(
+    text: str, fix: str = f"{MALFORMED_FIX}, or pass on_bad_row='skip' to drop it", parse_int: Any = None
+) -> dict[str, Any]:
+    """One JSONL line as an object, or a DataError saying why it is not one (`fix`: what to do about
+    JSON that cannot be read)."""
+    try:
+        row = parse_json(text, parse_int)
+    except UnreadableJson as err:
+        raise DataError(f"malformed JSON ({err})", fix=fix) from None
     if not isinstance(row, dict):
         raise DataError(
             f"expected a JSON object per line, got {type(row).__name__}",

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from datasets import Dataset
-from datasets.exceptions import DatasetGenerationError
 
 from .files import content_named_copy, load_file
 from .preprocess import ROW_KINDS, Section, check_row, encode_pieces, generation_prompt
@@ -154,14 +153,7 @@ def load_jsonl(
             source=str(path),
         )
     target = Path(path) if skipped == 0 else _clean_copy(rows, cache_dir)
-    try:
-        return load_file(target, cache_dir), lines
-    except DatasetGenerationError as err:
-        raise DataError(
-            f"datasets could not build a table from the rows ({err.__cause__ or err})",
-            fix="give each field one JSON type in every row",
-            source=str(path),
-        ) from err
+    return load_file(target, cache_dir, source=str(path)), lines
 
 
 def _clean_copy(rows: list[dict[str, Any]], cache_dir: str | None) -> Path:
