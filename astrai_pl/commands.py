@@ -71,8 +71,8 @@ def generation_eos_ids(model_path: str | Path) -> list[int]:
     if not path.is_file():
         return []
     try:
-        ids = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    except (json.JSONDecodeError, AttributeError) as err:
+        ids = json.loads(path.read_bytes().decode("utf-8")).get("eos_token_id")
+    except (ValueError, RecursionError, AttributeError) as err:  # bad JSON or UTF-8, too deep, not an object
         raise CommandError(f"{path} is not a JSON object ({err}); fix or delete the file") from None
     if ids is None:
         return []

@@ -106,8 +106,9 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise TokenizerError(f"{path} is not valid JSON ({err}); restore or regenerate the file") from None
+    except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, nested too deeply, an over-long integer
+        raise TokenizerError(f"{path} is not valid JSON ({type(err).__name__}: {str(err)[:200]}); restore or "
+                             "regenerate the file") from None
     if not isinstance(value, dict):
         raise TokenizerError(f"{path} holds a JSON {type(value).__name__}, not an object; restore or regenerate "
                              "the file")

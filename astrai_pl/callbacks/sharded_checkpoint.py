@@ -150,7 +150,7 @@ def read_checksums(folder: Path) -> dict[str, list[int]] | None:
         if not all(isinstance(n, str) and Path(n).name == n and isinstance(v, list) and len(v) == 2
                    and all(isinstance(x, int) for x in v) for n, v in table.items()):
             raise ValueError("an entry is not [size, crc32]")
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise CheckpointError(f"{file}: unreadable checksum table ({type(err).__name__}: {err}). Fix: resume "
                               "from another checkpoint, or copy the folder again from where it was written.") from None
     return table
