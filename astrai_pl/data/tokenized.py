@@ -153,7 +153,24 @@ def load_jsonl(
             source=str(path),
         )
     target = Path(path) if skipped == 0 else _clean_copy(rows, cache_dir)
-    return load_file(target, cache_dir, source=str(path)), lines
+    dataset = load_file(target, cache_dir, source=str(path))
+    _check_read_back(dataset, rows, lines, str(path))
+    return dataset, lines
+
+
+def _check_read_back(dataset: Dataset, rows: list[dict[str, Any]], lines: list[int], source: str) -> None:
+    """A column whose rows mix JSON kinds (strings and numbers, …) is stored by `datasets` as JSON and its
+    strings parsed back: `"03"` among numbers comes back as `3`. Such a column must read back as written."""
+    for column, feature in dataset.features.items():
+        if type(feature).__name__ != "Json":
+            continue
+        for row, line, value in zip(rows, lines, dataset[column]):
+            written = row.get(column)
+            if value != written or type(value) is not type(written):
+                raise DataError(
+                    f"{written!r} would be read back as {value!r}, because this field mixes kinds of JSON "
+                    "value across the rows (strings and numbers, …)", field=column, source=source, line=line,
+                    fix=f"write '{column}' as the same kind on every line (e.g. quote numbers as strings)")
 
 
 def _clean_copy(rows: list[dict[str, Any]], cache_dir: str | None) -> Path:
