@@ -10,34 +10,28 @@ raises CheckpointError naming the file, what is wrong with it and which checkpoi
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
+import warnings
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from ..model.hf import CheckpointError
+from .. import atomic
+from ..atomic import aside_path, fsync_dir, partial_path, replace_path
+from ..model.hf import CheckpointError, nonfinite_tensors
+
+__all__ = ["AtomicCheckpointIO", "aside_path", "interrupted_copy", "nonfinite_tensors", "partial_path",
+           "read_checkpoint", "recover_interrupted_replace", "replace_path", "write_atomically"]
 
 ZIP_START = b"PK\x03\x04"  # local file header: the first thing a zip writer puts in the file
 ZIP_END = b"PK\x05\x06"  # end-of-central-directory record: the last thing a zip writer puts in the file
 
 
 # -- writing ----------------------------------------------------------------------------------------------
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some platforms cannot open a directory; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomically(target: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Run `write(file)` on a temporary file beside `target`, flush it to disk, then rename it over `target`."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -54,62 +48,13 @@ def write_atomically(target: Path, write: Callable[[IO[bytes]], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(target.parent)
-
-
-def nonfinite_tensors(named: Iterable[tuple[str, Any]]) -> list[str]:
-    """The names of the float tensors in `named` holding a NaN or ±inf (this process's shard of a DTensor)."""
-    tensors = [(name, t.to_local() if hasattr(t, "to_local") else t) for name, t in named
-               if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not tensors:
-        return []
-    finite = torch.stack([torch.isfinite(t).all().to(tensors[0][1].device) for _, t in tensors]).tolist()
-    return [name for (name, _), ok in zip(tensors, finite) if not ok]
+    fsync_dir(target.parent)
 
 
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def partial_path(target: Path) -> Path:
-    """Where a checkpoint folder (or a file that replaces one) is written before it is moved to `target`."""
-    return target.with_name(f".{target.name}.partial")
-
-
-def aside_path(target: Path) -> Path:
-    """Where `replace_path` keeps the previous `target` while the new one is moved in."""
-    return target.with_name(f".{target.name}.old")
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def _exists(path: Path) -> bool:
-    return path.exists() or path.is_symlink()
-
-
-def replace_path(new: Path, target: Path) -> None:
-    """Move `new` (a complete file or directory) to `target`, replacing whatever is there.
-
-    A file replaces a file in one atomic rename. A directory cannot be renamed over a non-empty one, so
-    the old target is renamed aside (`aside_path`), `new` is renamed into place, and the old one deleted;
-    a kill between the two renames leaves both complete copies, which `interrupted_copy` finds and
-    `recover_interrupted_replace` puts back."""
-    aside = aside_path(target)
-    if _exists(target) and (new.is_dir() or target.is_dir()):
-        _remove(aside)  # left by a replace cut off after its second rename
-        os.replace(target, aside)
-        _fsync_dir(target.parent)
-    os.replace(new, target)
-    _fsync_dir(target.parent)
-    _remove(aside)
-    _fsync_dir(target.parent)
 
 
 def is_complete_copy(path: Path) -> bool:
@@ -120,24 +65,13 @@ def is_complete_copy(path: Path) -> bool:
 
 
 def interrupted_copy(target: Path) -> Path | None:
-    """The complete checkpoint a `replace_path` cut off between its two renames left instead of a missing
-    `target`: the new copy when it was complete, else the previous one. None when `target` exists."""
-    if _exists(target):
-        return None
-    for candidate in (partial_path(target), aside_path(target)):
-        if _exists(candidate) and (candidate == aside_path(target) or is_complete_copy(candidate)):
-            return candidate
-    return None
+    """The complete checkpoint a cut-off `replace_path` left instead of a missing `target` (None when it exists)."""
+    return atomic.interrupted_copy(target, is_complete_copy)
 
 
 def recover_interrupted_replace(target: Path) -> None:
-    """Finish what a cut-off `replace_path` left: move the complete copy to `target`, drop the previous one."""
-    copy = interrupted_copy(target)
-    if copy is not None:
-        os.replace(copy, target)
-        _fsync_dir(target.parent)
-    if _exists(target) and _exists(aside_path(target)):
-        _remove(aside_path(target))
+    """Finish what a cut-off `replace_path` of a checkpoint left (see astrai_pl/atomic.py)."""
+    atomic.recover_interrupted_replace(target, is_complete_copy)
 
 
 # -- reading ----------------------------------------------------------------------------------------------
@@ -146,10 +80,15 @@ def _siblings(path: Path) -> str:
     return ", ".join(others) if others else "none in the same folder"
 
 
-def describe_unreadable(path: Path, err: BaseException) -> str:
+def refused_by_weights_only(err: BaseException) -> bool:
+    """True when `err` is torch.load(weights_only=True) refusing what a pickle names."""
+    return "Weights only load failed" in str(err) or "Unsupported global" in str(err)
+
+
+def describe_unreadable(path: Path | str, err: BaseException) -> str:
     """What to tell the user about a checkpoint that failed to load with `err`."""
     text = str(err).split("\n")[0][:300]
-    if "Weights only load failed" in str(err) or "Unsupported global" in str(err):
+    if refused_by_weights_only(err):
         return (
             f"{path}: holds Python objects that loading with weights_only=True refuses ({text}). "
             "If you trust the file, load it with torch.load(path, weights_only=False) and save the plain "
@@ -157,7 +96,7 @@ def describe_unreadable(path: Path, err: BaseException) -> str:
         )
     return (
         f"{path}: not a readable checkpoint ({type(err).__name__}: {text}). Resume from another "
-        f"checkpoint (remaining: {_siblings(path)})."
+        f"checkpoint (remaining: {_siblings(Path(path))})."
     )
 
 
@@ -294,11 +233,48 @@ def prepare_resume_from_last(trainer: Any, ckpt_path: Any) -> None:
         )
 
 
+def read_remote_checkpoint(url: str, map_location: Any = "cpu") -> dict[str, Any]:
+    """torch.load of a remote checkpoint (http(s)://, s3://, … through fsspec), always weights_only=True, with
+    CheckpointError naming the address for every failure (Lightning's own reader unpickles http(s) addresses
+    with weights_only=False)."""
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+
+    try:
+        with get_filesystem(url).open(url, "rb") as f:
+            return torch.load(f, map_location=map_location, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - every failure becomes one typed error naming the address
+        if refused_by_weights_only(err):
+            raise CheckpointError(describe_unreadable(url, err)) from err
+        text = str(err).split("\n")[0][:300]
+        raise CheckpointError(f"{url}: not read as a checkpoint ({type(err).__name__}: {text}). Fix: check the "
+                              "address, or download the file and pass its local path.") from err
+
+
+def refusal_to_remove(path: Any) -> str | None:
+    """Why `path` is not a checkpoint a run may delete, or None when it is one: a `.ckpt` file or a sharded
+    checkpoint folder, reached without a '..' and not itself a symbolic link (a path recorded in a
+    checkpoint file may point anywhere)."""
+    text = str(path)
+    if ".." in text.replace("\\", "/").split("/"):
+        return "its path has a '..' component"
+    if "://" in text:
+        return None if text.rstrip("/").endswith(".ckpt") else "it does not end in .ckpt"
+    entry = Path(path).absolute()
+    if not atomic.exists(entry):
+        return None  # nothing to remove
+    if entry.is_symlink():
+        return "it is a symbolic link"
+    if entry.is_file() and entry.suffix == ".ckpt" or is_sharded_checkpoint(entry):
+        return None
+    return "it is neither a .ckpt file nor a sharded checkpoint folder"
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning CheckpointIO: atomic local writes, verified `weights_only=True` reads, and no file written
     from weights that hold NaN or ±inf (CheckpointError; the previous file stays).
 
-    Remote paths (s3://, gs://, …) go through Lightning's fsspec writer unchanged."""
+    Remote paths (s3://, gs://, …) go through Lightning's fsspec writer unchanged, and load weights-only.
+    Removal deletes only checkpoints (`refusal_to_remove`): anything else is left, with a warning."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
         _refuse_nonfinite_weights(checkpoint, path)
@@ -314,8 +290,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        """A remote path (http(s)://, s3://, …) always loads with weights_only=True; any failure to read it is a
+        CheckpointError naming it. A local one goes through `read_checkpoint`."""
         if "://" in str(path):
-            return super().load_checkpoint(path, map_location, weights_only)
+            return read_remote_checkpoint(str(path), map_location or "cpu")
         return read_checkpoint(
             path, map_location=map_location or "cpu", weights_only=weights_only is not False
         )
+
+    def remove_checkpoint(self, path) -> None:
+        """Delete the checkpoint at `path`; a path that names anything else is left alone, with a warning (the
+        run goes on: such a path comes from a stale or crafted record in a checkpoint file)."""
+        refusal = refusal_to_remove(path)
+        if refusal is not None:
+            warnings.warn(f"{path}: not removed, because {refusal}; a run removes only its own checkpoints.",
+                          stacklevel=2)
+        elif "://" in str(path):
+            super().remove_checkpoint(path)
+        else:
+            atomic.remove_path(Path(path))

@@ -22,8 +22,10 @@ generation_config.json lists as `eos_token_id` the model's end ids and, when a t
 it, the tokenizer's end-of-turn ids (see Tokenizer.eos_token_ids), so `transformers` and vLLM stop
 where a chat turn ends.
 
-Saving writes into a fresh temporary directory beside the target and renames it into place, so an
-interrupted save leaves either the old directory or the new one, never a half-written one.
+Saving refuses NaN/inf weights, writes the hidden `.NAME.partial` beside the target (config.json last, so
+a folder holding it is complete) and moves it into place with astrai_pl/atomic.py's `replace_path`: a kill
+at any moment leaves a complete export, under its name or beside it, which loading reads and the next save
+puts back.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..atomic import interrupted_copy, partial_path, recover_interrupted_replace, remove_path, replace_path
 from .config import ModelConfig
 from .hf_config import (
     CheckpointError,
@@ -60,7 +63,7 @@ from .layers import RotaryEmbedding, rope_frequencies
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "ExportError", "MissingWeightError",
            "NonFiniteWeightError", "UnexpectedWeightError", "UnsupportedCheckpointError", "WeightShapeError",
-           "load_pretrained", "read_config", "save_pretrained"]
+           "export_dir", "load_pretrained", "nonfinite_tensors", "read_config", "save_pretrained"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -82,9 +85,19 @@ def _read_json(file: Path) -> dict[str, Any]:
     return value
 
 
+def is_complete_export(folder: Path) -> bool:
+    """config.json is the last file save_pretrained writes."""
+    return (folder / "config.json").is_file()
+
+
+def export_dir(path: str | Path) -> Path:
+    """`path`, or the complete export beside it that a save cut off between two renames left instead."""
+    return interrupted_copy(Path(path), is_complete_export) or Path(path)
+
+
 def read_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face model directory, without touching its weights."""
-    root = Path(path)
+    root = export_dir(path)
     if not root.is_dir():
         raise CheckpointNotFoundError(f"{root} is not a directory. Fix: pass the folder that holds config.json "
                                       "and the safetensors files (download it first for a hub model).")
@@ -169,6 +182,16 @@ def _check_plan(files: list[Path], cfg: ModelConfig, expected: dict[str, tuple[i
             "match the weights (vocab_size, hidden_size, intermediate_size, head counts, head_dim).")
 
 
+def nonfinite_tensors(named: Iterable[tuple[str, Any]]) -> list[str]:
+    """The names of the float tensors in `named` holding a NaN or ±inf (this process's shard of a DTensor)."""
+    tensors = [(name, t.to_local() if hasattr(t, "to_local") else t) for name, t in named
+               if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        return []
+    finite = torch.stack([torch.isfinite(t).all().to(tensors[0][1].device) for _, t in tensors]).tolist()
+    return [name for (name, _), ok in zip(tensors, finite) if not ok]
+
+
 def _check_finite(file: Path, hf_key: str, tensor: torch.Tensor, cast: bool = False) -> None:
     """Refuse a tensor with NaN/inf values: as stored, or (`cast`) once cast to the load dtype."""
     finite = tensor.isfinite()
@@ -213,7 +236,7 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
 
 def load_pretrained(cls: type[torch.nn.Module], path: str | Path, dtype: torch.dtype | str | None = None):
     """Build `cls(config)` from a Hugging Face directory; every key and shape is checked before any is read."""
-    root, target = Path(path), _resolve_dtype(dtype)
+    root, target = export_dir(path), _resolve_dtype(dtype)
     cfg = read_config(root)
     cfg.torch_dtype = str(target).removeprefix("torch.")
     with torch.device("meta"):
@@ -276,30 +299,15 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def _carry_over(old: Path, new: Path) -> None:
-    """Bring the old directory's other files (README, tokenizer, ...) into the new one; old weights are dropped."""
+    """Bring the old directory's other files (README, tokenizer, ...) into the new one; old weights and
+    config.json (written last, from the model) are dropped."""
     for entry in old.iterdir():
-        if (new / entry.name).exists() or _is_weight_file(entry.name):
+        if (new / entry.name).exists() or _is_weight_file(entry.name) or entry.name == "config.json":
             continue
         if entry.is_dir():
             shutil.copytree(entry, new / entry.name, copy_function=_link_or_copy)
         else:
             _link_or_copy(str(entry), str(new / entry.name))
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _swap_into_place(new: Path, target: Path) -> None:
-    if not target.exists():
-        os.rename(new, target)
-        return
-    backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.rename(target, backup / target.name)
-    os.rename(new, target)
-    shutil.rmtree(backup)
 
 
 def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = None,
@@ -315,19 +323,32 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = N
         raise FileExistsError(f"{target} exists and is not a directory. Fix: pass a directory path.")
     target.parent.mkdir(parents=True, exist_ok=True)
     tensors = list(export_tensors(model, cfg))
-    dtype = str(tensors[0][1].dtype).removeprefix("torch.")
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=target.parent))
-    work.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result should look like mkdir's
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise NonFiniteWeightError(
+            f"{target}: not written, because weight(s) {_listed(bad)} hold NaN or infinite values. Fix: export a "
+            "checkpoint from before training diverged.")
+    recover_interrupted_replace(target, is_complete_export)
+    work = partial_path(target)
+    remove_path(work)  # left by a save killed while writing it
+    work.mkdir()
     try:
-        _write_weights(work, tensors, max_shard_size)
-        _write_json(work / "config.json", config_to_hf(cfg, dtype))
-        end_ids = list(getattr(tokenizer, "eos_token_ids", None) or [])
-        _write_json(work / "generation_config.json", generation_config(cfg, end_ids))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(work))
-        if target.is_dir():
-            _carry_over(target, work)
-        _swap_into_place(work, target)
+        _write_files(work, target, tensors, tokenizer, cfg, max_shard_size)
+        replace_path(work, target)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+
+
+def _write_files(work: Path, target: Path, tensors: list[tuple[str, torch.Tensor]], tokenizer: Any,
+                 cfg: ModelConfig, max_shard_size: int) -> None:
+    """Everything of an export into `work`, config.json last (its presence marks the folder complete)."""
+    _write_weights(work, tensors, max_shard_size)
+    end_ids = list(getattr(tokenizer, "eos_token_ids", None) or [])
+    _write_json(work / "generation_config.json", generation_config(cfg, end_ids))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(work))
+    if target.is_dir():
+        _carry_over(target, work)
+    dtype = str(tensors[0][1].dtype).removeprefix("torch.")
+    _write_json(work / "config.json", config_to_hf(cfg, dtype))

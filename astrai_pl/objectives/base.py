@@ -14,8 +14,9 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torchmetrics import MeanMetric
 
-from ..callbacks.checkpoint import CheckpointError, is_sharded_checkpoint, read_checkpoint
+from ..callbacks.checkpoint import CheckpointError, interrupted_copy, is_sharded_checkpoint, read_checkpoint
 from ..model import ConfigError, ModelConfig, Transformer
+from ..model.hf import NonFiniteWeightError, export_dir, nonfinite_tensors
 from ..parallel import ActivationCheckpointing, check_activation_checkpointing, configure_model, is_dtensor
 from .losses import IGNORE_INDEX, cross_entropy, linear_cross_entropy, next_token_labels
 
@@ -29,19 +30,25 @@ def as_config(arch: ModelConfig | dict | None) -> ModelConfig:
 
 
 def load_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> Transformer:
-    """A fresh Transformer(arch), or the weights in `init_from`: a Hugging Face directory or one of our .ckpt files."""
+    """A fresh Transformer(arch), or the weights in `init_from`: a Hugging Face directory or one of our .ckpt
+    files. Weights holding NaN or ±inf are refused (NonFiniteWeightError naming the file and the tensor)."""
     if init_from is None:
         return Transformer(as_config(arch))
-    path = Path(init_from)
-    if path.is_dir() and not is_sharded_checkpoint(path):
-        return Transformer.from_pretrained(path)
-    if not path.exists():
+    path, folder = Path(init_from), export_dir(init_from)  # or the complete export a cut-off replace left
+    if folder.is_dir() and not is_sharded_checkpoint(folder):
+        return Transformer.from_pretrained(folder)
+    if not path.exists() and interrupted_copy(path) is None:
         raise CheckpointError(f"init_from={init_from!r}: no such file or directory; "
                               "pass a Hugging Face model directory or a .ckpt written by astrai-pl fit")
     ckpt = read_checkpoint(path)  # verified, weights_only; a sharded FSDP2 folder is gathered here
     model = Transformer(checkpoint_arch(path, ckpt, arch))
     state = {k.removeprefix("model."): v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("model.")}
     check_weights_fit(path, model, state)
+    bad = nonfinite_tensors((f"model.{k}", v) for k, v in state.items())
+    if bad:
+        raise NonFiniteWeightError(
+            f"{path}: weight(s) {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''} hold NaN or infinite "
+            "values. Fix: the file is damaged or was saved after training diverged; use an earlier checkpoint.")
     model.load_state_dict(state)
     return model
 
