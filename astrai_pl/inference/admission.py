@@ -78,6 +78,21 @@ def is_single_prompt(prompts) -> bool:
     return len(prompts) > 0 and isinstance(prompts[0], numbers.Integral)
 
 
+def params_per_prompt(params, num_prompts: int) -> list:
+    """`generate`'s params as one per prompt: None (the defaults), one SamplingParams, or one each."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * num_prompts
+    if not isinstance(params, Sequence):
+        raise SamplingParamsError(
+            f"params must be SamplingParams or a list of them, got {type(params).__name__}"
+        )
+    if len(params) != num_prompts:
+        raise SamplingParamsError(
+            f"got {len(params)} SamplingParams for {num_prompts} prompts; pass one or one each"
+        )
+    return list(params)
+
+
 def check_params(params, vocab_size: int, has_tokenizer: bool) -> None:
     """SamplingParams valid now (fields may have changed since construction) and usable by this engine."""
     if not isinstance(params, SamplingParams):

@@ -4,10 +4,11 @@
     engine.generate(["Once upon a time"], SamplingParams(max_tokens=32))   # -> [Completion]
     for delta in engine.stream("Hello", SamplingParams(temperature=0)): print(delta.text, end="")
 
-Callers that drive the loop themselves use `add_request` and `step` (which returns every `Delta`).
+Callers that drive the loop themselves use `add_request` and `step` (which returns their `Delta`s).
 One step = schedule → one forward over all scheduled tokens (decodes and prefill chunks of every
-running request, concatenated into a single row) → sample → append, stop, release. The engine is not
-thread-safe; use one per thread or serialise the calls.
+running request, concatenated into a single row) → sample → append, stop, release. Whichever call
+runs a step, each delta is kept for its own consumer (`Outbox`), so streams and `step()` callers may
+take turns. The engine is not thread-safe; use one per thread or serialise the calls.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from itertools import count
 
 import torch
 
-from .admission import check_params, check_room, is_single_prompt, prompt_token_ids
+from .admission import check_params, check_room, is_single_prompt, params_per_prompt, prompt_token_ids
 from .cache import CapacityError, InferenceError, KVStorage, ReqToTokenPool
 from .pool import KVPool, PoolUsage, default_total_tokens
-from .request import Completion, Delta, Request, RequestError, end_ids
+from .request import Completion, Delta, Outbox, Request, RequestError, end_ids, is_sample_of
 from .runner import ModelRunner
 from .sampling import SamplingParams, SamplingParamsError, sample
 from .scheduler import Scheduler
@@ -103,6 +104,7 @@ class Engine:
         self.eos_token_ids = end_ids(model, tokenizer)
         self.sessions: dict[str, Session] = {}
         self._requests: dict[str, Request] = {}
+        self._outbox = Outbox()
         self._ids = count()
         self._counts = dict(steps=0, prefill_tokens=0, decode_tokens=0, cached_tokens=0, forks=0)
         self.fingerprint = FingerprintCache(model)
@@ -141,16 +143,7 @@ class Engine:
     ) -> list[Completion]:
         """Completions for each prompt (a string or a list of ids): n per prompt, grouped by prompt, in order."""
         prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if not isinstance(params, Sequence):
-            raise SamplingParamsError(
-                f"params must be SamplingParams or a list of them, got {type(params).__name__}"
-            )
-        if len(params) != len(prompts):
-            raise SamplingParamsError(
-                f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each"
-            )
+        params = params_per_prompt(params, len(prompts))
         requests = [self._request(p, sp) for p, sp in zip(prompts, params)]
         self._complete(requests)
         return [r.completion() for req in requests for r in sorted(req.group, key=lambda r: r.index)]
@@ -160,22 +153,25 @@ class Engine:
         return self._stream(self._request(prompt, params or SamplingParams()))
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> str:
-        """Queue a prompt; returns its request id. Results come out of `step()`."""
+        """Queue a prompt; returns its request id. Its deltas come out of `step()`."""
         req = self._request(prompt, params or SamplingParams())
         self._submit(req)
+        self._outbox.open(req.id, stream=False)
         return req.id
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now, all n of its samples, and release every page they hold."""
-        forks = request_id + "."  # sample i of request r is "r.i"
-        for req in [r for rid, r in self._requests.items() if rid == request_id or rid.startswith(forks)]:
+        """Stop a request now, all n of its samples, and release every page they hold; what they made
+        that was not handed out yet is dropped."""
+        self._outbox.forget(request_id)
+        for req in [r for rid, r in self._requests.items() if is_sample_of(rid, request_id)]:
             req.forks_left = 0
             if req in self.scheduler.waiting:
                 self.scheduler.waiting.remove(req)
             self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return not self.scheduler.idle
+        """Whether a request is queued or running, or `step()` has deltas left to return."""
+        return not self.scheduler.idle or bool(self._outbox.queue)
 
     def session(self, ttl: float | None = None) -> Session:
         """A conversation whose K/V stays in the pool between turns (see sessions.py)."""
@@ -220,23 +216,29 @@ class Engine:
         return self.reset_prefix_cache()
 
     def step(self) -> list[Delta]:
-        """Run one scheduling step; returns what every request gained.
+        """Run one scheduling step; returns, in the order made, what the requests added with
+        `add_request` gained in it and in the steps that streams and `generate` ran since the last call.
 
         A failure while computing or sampling fails only the requests it concerns: the step is run again
         one request at a time, and a request that fails alone ends with finish_reason "error" (its Delta's
         completion says why) and gives its pages back.
         """
+        self._advance()
+        return self._outbox.take_stepped()
+
+    def _advance(self) -> bool:
+        """One step, its deltas posted to their consumers; False when nothing could be scheduled."""
         self.expire_sessions()
         plan = self.scheduler.schedule()
         if not plan:
-            return []
+            return False
         self._counts["steps"] += 1
         self._count_tokens(plan)
         with torch.inference_mode():
-            deltas = self._run(plan)
+            self._outbox.post(self._run(plan))
         if self.debug:
             self.check()
-        return deltas
+        return True
 
     # -- requests -------------------------------------------------------------------------------------------
     def _request(
@@ -269,23 +271,26 @@ class Engine:
                 f"stream() returns one completion, got SamplingParams.n={req.params.n}; use generate()"
             )
         self._submit(req)
+        self._outbox.open(req.id, stream=True)
         return self._deltas(req)
 
     def _deltas(self, req: Request) -> Iterator[Delta]:
+        """Hand out req's kept deltas, stepping the engine only when none are left (the deltas of other
+        requests are kept for their own consumers)."""
         try:
-            while not req.finished:
-                for delta in self._step_or_fail():
-                    if delta.request_id == req.id and delta.finish_reason == "error":
+            while not req.finished or self._outbox.holds(req.id):
+                deltas = self._outbox.take(req.id)
+                if not deltas:
+                    self._step_or_fail()
+                for delta in deltas:
+                    if delta.finish_reason == "error":
                         raise RequestError(req.id, req.error)
-                    if delta.request_id == req.id and (delta.token_ids or delta.finish_reason):
+                    if delta.token_ids or delta.finish_reason:
                         yield delta
         finally:
             if not req.finished:
                 self.abort(req.id)
-
-    def _run_until(self, done) -> None:
-        while not done():
-            self._step_or_fail()
+            self._outbox.forget(req.id)
 
     def _complete(self, requests: list[Request]) -> None:
         """Queue `requests` and step until all their samples finish. On any exception they are aborted
@@ -297,7 +302,8 @@ class Engine:
             return [r for req in requests for r in req.group]
 
         try:
-            self._run_until(lambda: all(r.finished for r in samples()))
+            while not all(r.finished for r in samples()):
+                self._step_or_fail()
         except BaseException:
             for r in samples():
                 self.abort(r.id)
@@ -306,18 +312,15 @@ class Engine:
         if failed is not None:
             raise RequestError(failed.id, failed.error)
 
-    def _step_or_fail(self) -> list[Delta]:
+    def _step_or_fail(self) -> None:
         if self.scheduler.idle:
             raise InferenceError("no request is queued or running")
-        before = self._counts["steps"]
-        deltas = self.step()
-        if self._counts["steps"] == before:
+        if not self._advance():
             pinned = sum(len(s.pages) for s in self.sessions.values())
             raise CapacityError(
                 f"no queued request fits in the pool ({self.pool.usage()}; sessions pin {pinned} pages); "
                 "close or expire sessions, or raise max_total_tokens"
             )
-        return deltas
 
     # -- one step's bookkeeping -----------------------------------------------------------------------------
     def _count_tokens(self, plan: list[tuple[Request, int]]) -> None:
@@ -439,6 +442,7 @@ class Engine:
         while parent.forks_left:
             clone = parent.fork(self._text_stream(parent.params), self.device)
             self._requests[clone.id] = clone
+            self._outbox.follow(parent.id, clone.id)
             if self.scheduler.add_fork(parent, clone):
                 self._counts["forks"] += 1
                 clones.append(clone)

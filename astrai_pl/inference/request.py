@@ -148,3 +148,61 @@ class Request:
             request_id=self.id,
             error=self.error,
         )
+
+
+def is_sample_of(sample_id: str, request_id: str) -> bool:
+    """Whether `sample_id` is request `request_id` or one of its n samples (sample i of r is "r.i")."""
+    return sample_id == request_id or sample_id.startswith(request_id + ".")
+
+
+class Outbox:
+    """Deltas made in a step that their consumer was not pulling, kept until it does: each stream's
+    own, and one queue, in the order they were made, for `Engine.step()` (requests added with
+    `add_request`, and their samples). Deltas of other requests are dropped: generate and session
+    turns read the completion."""
+
+    def __init__(self):
+        self.streams: dict[str, list[Delta]] = {}
+        self.stepped: set[str] = set()
+        self.queue: list[Delta] = []
+
+    def open(self, request_id: str, stream: bool) -> None:
+        if stream:
+            self.streams[request_id] = []
+        else:
+            self.stepped.add(request_id)
+
+    def follow(self, parent_id: str, sample_id: str) -> None:
+        """A sample goes where its parent's deltas go."""
+        if parent_id in self.stepped:
+            self.stepped.add(sample_id)
+
+    def post(self, deltas: list[Delta]) -> None:
+        for delta in deltas:
+            if delta.request_id in self.streams:
+                self.streams[delta.request_id].append(delta)
+            elif delta.request_id in self.stepped:
+                self.queue.append(delta)
+                if delta.finish_reason is not None:
+                    self.stepped.discard(delta.request_id)
+
+    def holds(self, request_id: str) -> bool:
+        return bool(self.streams.get(request_id))
+
+    def take(self, request_id: str) -> list[Delta]:
+        """What stream `request_id` has not handed out yet."""
+        if request_id not in self.streams:  # aborted
+            return []
+        deltas, self.streams[request_id] = self.streams[request_id], []
+        return deltas
+
+    def take_stepped(self) -> list[Delta]:
+        deltas, self.queue = self.queue, []
+        return deltas
+
+    def forget(self, request_id: str) -> None:
+        """Drop what request `request_id` and its samples have not handed out (it was aborted or is done)."""
+        for rid in [r for r in (*self.streams, *self.stepped) if is_sample_of(r, request_id)]:
+            self.streams.pop(rid, None)
+            self.stepped.discard(rid)
+        self.queue = [d for d in self.queue if not is_sample_of(d.request_id, request_id)]
