@@ -36,7 +36,7 @@ from .callbacks.tracking import (
     wandb_loggers,
     with_wandb,
 )
-from .commands import chat_verb, generate_verb
+from .commands import USER_ERRORS, chat_verb, generate_verb
 from .data.rows import DataError
 from .model.config import ConfigError
 from .objectives import Objective
@@ -153,8 +153,11 @@ def _convert_verb(argv: list[str]) -> None:
     parser.add_argument("--output", required=True)
     parser.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer directory to write alongside")
     ns = parser.parse_args(argv)
-    model = load_transformer(None, ns.ckpt)
-    model.save_pretrained(ns.output, tokenizer=load_tokenizer(ns.tokenizer) if ns.tokenizer else None)
+    try:
+        model = load_transformer(None, ns.ckpt)
+        model.save_pretrained(ns.output, tokenizer=load_tokenizer(ns.tokenizer) if ns.tokenizer else None)
+    except USER_ERRORS as err:  # the message names the file and the fix
+        raise SystemExit(f"astrai-pl convert: {err}") from None
     print(f"wrote {ns.output}")
 
 

@@ -77,8 +77,9 @@ def _read_json(file: Path) -> dict[str, Any]:
                                       f"(it holds config.json and {SINGLE_FILE} or {INDEX_FILE}).")
     try:
         value = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{file} is not valid JSON ({err}). Fix: re-download or re-export it.") from None
+    except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, nested too deeply, an over-long integer
+        raise CheckpointError(f"{file} is not valid JSON ({type(err).__name__}: {str(err)[:200]}). Fix: "
+                              "re-download or re-export it.") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{file} holds a JSON {type(value).__name__}, not an object. Fix: re-download or "
                               "re-export it (transformers writes one object of key: value pairs).")
