@@ -1,19 +1,22 @@
-"""Replacing a file or folder so that a kill at any moment leaves a complete copy, and finding that copy.
+"""Writing or replacing a file or folder so that a kill at any moment leaves a complete copy, and finding it.
 
-A new copy is written as the hidden `.NAME.partial` beside its target. A file replaces a file in one atomic
-rename. A folder cannot be renamed over a non-empty one, so the old target is renamed aside (`.NAME.old`),
-the new one renamed in, and the old one deleted; a kill between the two renames leaves both complete
-copies, which `interrupted_copy` finds and `recover_interrupted_replace` puts back. What counts as a
-complete copy is the caller's `is_complete` (a sharded checkpoint: its checksum table is written last; a
-Hugging Face export: its config.json is written last).
+`write_atomically` writes a file under a temporary name beside its target, flushes it and renames it over
+the target. For `replace_path`, a new copy is written as the hidden `.NAME.partial` beside its target; a
+file replaces a file in one atomic rename. A folder cannot be renamed over a non-empty one, so the old
+target is renamed aside (`.NAME.old`), the new one renamed in, and the old one deleted; a kill between the
+two renames leaves both complete copies, which `interrupted_copy` finds and `recover_interrupted_replace`
+puts back. What counts as a complete copy is the caller's `is_complete` (a sharded checkpoint: its checksum
+table is written last; a Hugging Face export: its config.json is written last).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 
 def fsync_dir(folder: Path) -> None:
@@ -26,6 +29,32 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_atomically(target: Path, write: Callable[[IO[bytes]], None], mode: int | None = None) -> None:
+    """Run `write(file)` on a temporary file beside `target`, flush it to disk, then rename it over `target`
+    with permissions `mode` (default: those of a new file under the umask)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.*.partial"):  # left by a writer that was killed
+        stale.unlink(missing_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask() if mode is None else mode)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
 
 
 def partial_path(target: Path) -> Path:

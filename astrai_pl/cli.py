@@ -20,12 +20,6 @@ from pathlib import Path
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
-from .callbacks.checkpoint import (
-    CheckpointError,
-    checkpoint_error_in,
-    prepare_resume_from_last,
-    verify_archive,
-)
 from .callbacks.metrics import NonFiniteLossError
 from .callbacks.safety import SafetyConfig, as_list, safety_callbacks, safety_plugins
 from .callbacks.tracking import (
@@ -36,11 +30,14 @@ from .callbacks.tracking import (
     wandb_loggers,
     with_wandb,
 )
+from .checkpoint import CheckpointError, load_transformer
+from .checkpoint.archive import checkpoint_error_in, prepare_resume_from_last, verify_archive
 from .commands import USER_ERRORS, chat_verb, generate_verb
 from .data.rows import DataError
 from .model.config import ConfigError
 from .objectives import Objective
 from .sweep import sweep_verb
+from .tokenizer import load_tokenizer
 
 LIGHTNING_VERBS = {"fit", "validate", "test", "predict"}
 
@@ -80,7 +77,7 @@ class AstraiCLI(LightningCLI):
 
     def before_fit(self) -> None:
         """`--ckpt_path last`: put back what a cut-off checkpoint replace left; refuse a restart from step 0
-        when the checkpoint folder holds checkpoints but no last one (callbacks/checkpoint.py)."""
+        when the checkpoint folder holds checkpoints but no last one (checkpoint/archive.py)."""
         prepare_resume_from_last(self.trainer, self._get(self.config_init, "ckpt_path"))
 
     def _parse_ckpt_path(self) -> None:
@@ -144,9 +141,6 @@ def _iter_texts(paths: list[str] | None, text_field: str):
 
 
 def _convert_verb(argv: list[str]) -> None:
-    from .data.pretrain import load_tokenizer
-    from .objectives.base import load_transformer
-
     parser = argparse.ArgumentParser(prog="astrai-pl convert",
                                      description="Export one of our checkpoints as a Hugging Face directory.")
     parser.add_argument("--ckpt", required=True, help="a .ckpt written by astrai-pl fit, or a Hugging Face dir")

@@ -23,16 +23,14 @@ from typing import IO, Any
 import jinja2
 import torch
 
-from .callbacks.checkpoint import is_sharded_checkpoint, write_atomically
-from .data.pretrain import load_tokenizer
-from .data.rows import UnreadableJson, decode_line, parse_json
+from .atomic import write_atomically
+from .checkpoint import CheckpointError, is_sharded_checkpoint, load_transformer
 from .inference import CapacityError, Engine, InferenceError, SamplingParams, SamplingParamsError, Session
+from .jsonl import UTF8_FIX, NotUtf8, UnreadableJson, decode_utf8, parse_json
 from .model.config import ConfigError
-from .model.hf import CheckpointError
-from .objectives.base import load_transformer
-from .tokenizer import Tokenizer, TokenizerError
+from .strategy import DTYPES
+from .tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHUNK = 256  # prompts handed to the engine at once: it batches them; results are written as each chunk ends
 
 
@@ -166,8 +164,10 @@ def read_prompts(path: str | Path, tokenizer: Tokenizer, chat_template: bool, ad
                 continue
             where = f"{path}:{number}"
             try:
-                row = parse_json(decode_line(raw))
+                row = parse_json(decode_utf8(raw))
                 ids = prompt_ids(row, tokenizer, chat_template, add_special_tokens)
+            except NotUtf8 as err:
+                raise CommandError(f"{where}: {err}. Fix: {UTF8_FIX}") from None
             except UnreadableJson as err:
                 raise CommandError(f"{where}: not valid JSON ({err}); "
                                    'each line must be an object like {"prompt": "..."}') from None

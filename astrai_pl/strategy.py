@@ -15,19 +15,17 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch.distributed.constants import default_pg_timeout
 
-from .callbacks.checkpoint import (
-    AtomicCheckpointIO,
-    CheckpointError,
+from .atomic import partial_path, replace_path
+from .checkpoint import AtomicCheckpointIO, CheckpointError
+from .checkpoint.archive import (
     check_sharded_complete,
     describe_unreadable,
     interrupted_copy,
-    partial_path,
     read_checkpoint,
     recover_interrupted_replace,
-    replace_path,
     verify_archive,
 )
-from .callbacks.sharded_checkpoint import (
+from .checkpoint.sharded import (
     checksum_mismatch,
     describe_dcp_failure,
     file_checksums,
@@ -38,6 +36,7 @@ from .callbacks.sharded_checkpoint import (
     write_checksums,
 )
 
+# The floating-point dtypes a config or a command line names: FSDP2 param/reduce dtypes, `generate --dtype`.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -166,7 +165,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         return expected
 
     def _load_sharded(self, path: Path) -> dict[str, Any]:
-        """Lightning's sharded load, with every read through sharded_checkpoint.py: checksums first, metadata
+        """Lightning's sharded load, with every read through checkpoint/sharded.py: checksums first, metadata
         that runs no code, non-tensor entries weights-only, and CheckpointError naming the folder."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -20,6 +19,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as Backend
+
+from .atomic import write_atomically
 
 SPECIAL_TOKEN_KEYS = tuple(f"{name}_token" for name in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"))
 BYTE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>")
@@ -124,18 +125,10 @@ def _read_backend(path: Path) -> Backend:
 
 
 def _write_atomic(path: Path, text: str | dict[str, Any]) -> None:
-    """Write text (or a dict as JSON) to a temporary file next to `path`, then rename it over `path`."""
+    """Write text (or a dict as JSON) to `path` atomically (astrai_pl/atomic.py), readable by everyone."""
     if isinstance(text, dict):
         text = json.dumps(text, indent=2, ensure_ascii=False) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; saved folders are shared like any other file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda f: f.write(text.encode("utf-8")), mode=0o644)
 
 
 def _read_special_tokens(folder: Path, config: dict[str, Any]) -> dict[str, str]:
@@ -412,3 +405,10 @@ def train_bpe(
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.train_from_iterator(texts, trainer=trainer)
     return Tokenizer(_byte_level_pipeline(backend, specials), BYTE_SPECIAL_TOKENS, CHATML_TEMPLATE)
+
+
+def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
+    """'byte' for the built-in byte-level tokenizer, else a Hugging Face tokenizer directory."""
+    if isinstance(spec, Tokenizer):
+        return spec
+    return Tokenizer.byte_level() if spec == "byte" else Tokenizer.from_pretrained(spec)

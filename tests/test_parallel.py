@@ -25,10 +25,10 @@ from fit_runs import (
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from astrai_pl.checkpoint import load_transformer
 from astrai_pl.cli import lightning_main
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.objectives import Pretrain
-from astrai_pl.objectives.base import load_transformer
 from astrai_pl.ops import cpu as cpu_ops
 from astrai_pl.parallel import apply_activation_checkpointing, check_tensor_parallel, compile_blocks
 from astrai_pl.strategy import FSDP2Strategy, ParallelConfigError

@@ -1,6 +1,7 @@
-"""Side concerns of a training run, as Lightning callbacks, loggers and a checkpoint plugin."""
+"""Side concerns of a training run, as Lightning callbacks and loggers. `AtomicCheckpointIO`, `CheckpointError`
+and `read_checkpoint` live in astrai_pl/checkpoint/ and are importable from here too."""
 
-from .checkpoint import AtomicCheckpointIO, CheckpointError, read_checkpoint
+from ..checkpoint import AtomicCheckpointIO, CheckpointError, read_checkpoint
 from .export import HFExport
 from .metrics import JSONLLogger, NonFiniteGuard, NonFiniteLossError
 from .resume import RNGState, StopOnSignal

@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
-from .checkpoint import nonfinite_tensors
+from ..model.hf import nonfinite_tensors
 from .resume import last_checkpoint_path
 
 

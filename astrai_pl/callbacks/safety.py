@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
 
-from .checkpoint import AtomicCheckpointIO
+from ..checkpoint import AtomicCheckpointIO
 from .metrics import NonFiniteGuard
 from .resume import RNGState, StopOnSignal
 

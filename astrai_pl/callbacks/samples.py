@@ -16,6 +16,8 @@ from typing import Any
 import lightning as L
 
 from ..data.synthetic import exact_match
+from ..objectives.evaluation import chat_prompts, greedy_decode
+from ..objectives.rewards import score
 
 COLUMNS = ["step", "prompt", "completion", "reward"]
 
@@ -89,10 +91,6 @@ class SampleGenerations(L.Callback):
 
     def generate(self, pl_module: L.LightningModule) -> list[dict[str, Any]]:
         """prompt / completion / reward of each sample, under the module's current weights."""
-        # imported here: the objectives import callbacks.checkpoint, so importing them with this package
-        # would make the two packages' imports depend on their order
-        from ..objectives.evaluation import chat_prompts, greedy_decode
-
         tokenizer, model = pl_module.tokenizer, pl_module.model
         texts = [s.prompt for s in self.samples]
         prompt_ids = chat_prompts(texts, tokenizer) if self.chat else [tokenizer.encode(t) for t in texts]
@@ -111,8 +109,6 @@ class SampleGenerations(L.Callback):
     def rewards(self, pl_module: L.LightningModule, completions: list[str], ids: list[list[int]]
                 ) -> list[float | None]:
         """The objective's weighted reward (GRPO), else exact match with the answer; None without answers."""
-        from ..objectives.rewards import score  # imported here, as in generate
-
         answers = [s.answer for s in self.samples]
         if all(a is None for a in answers):
             return [None] * len(completions)

@@ -17,7 +17,7 @@ import torch
 from datasets import Dataset, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, load_tokenizer
 from .corpus import corpus_version, embedded_documents, is_held_out
 from .documents import check_jsonl_corpus, log_textless, require_text_column, textless_documents
 from .files import FILE_LOADERS, load_file, source_fingerprint
@@ -27,13 +27,6 @@ from .sampling import StatefulLoader, data_parallel_rank, shuffled_batches
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("ASTRAI_CACHE", Path.home() / ".cache" / "astrai_pl"))
-
-
-def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
-    """'byte' for the built-in byte-level tokenizer, else a Hugging Face tokenizer directory."""
-    if isinstance(spec, Tokenizer):
-        return spec
-    return Tokenizer.byte_level() if spec == "byte" else Tokenizer.from_pretrained(spec)
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:

@@ -8,14 +8,14 @@ reason (`Dropped`), so a run left with no rows says what removed them (`require_
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from ..jsonl import UTF8_FIX, NotUtf8, UnreadableJson, decode_utf8, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -167,17 +167,15 @@ def _preview(value: Any, width: int = 60) -> str:
 # --- JSONL ----------------------------------------------------------------------------------------
 
 
-UTF8_FIX = "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 FILE > NEW`)"
 UTF8_SKIP_FIX = f"{UTF8_FIX}, or pass on_bad_row='skip' to drop the line"
 
 
 def decode_line(raw: bytes, fix: str = UTF8_FIX) -> str:
     """One line of a file as text, or a DataError naming the first byte that is not UTF-8 and its column."""
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        column = len(raw[: err.start].decode("utf-8", errors="replace")) + 1
-        raise DataError(f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {column})", fix=fix) from None
+        return decode_utf8(raw)
+    except NotUtf8 as err:
+        raise DataError(str(err), fix=fix) from None
 
 
 class JsonlRows(NamedTuple):
@@ -220,24 +218,6 @@ def read_jsonl(
         lines.append(number)
     log_skipped(skipped, str(path), dropped)
     return JsonlRows(rows, lines, len(skipped))
-
-
-class UnreadableJson(ValueError):
-    """Text that `json.loads` cannot turn into a value; the message says why."""
-
-
-def parse_json(text: str, parse_int: Callable[[str], Any] | None = None) -> Any:
-    """`json.loads(text)` (integers read by `parse_int`), or UnreadableJson saying why not: a syntax error
-    and its column, nesting deeper than the parser recurses, or an integer longer than Python converts.
-    Nothing else escapes."""
-    try:
-        return json.loads(text, parse_int=parse_int)
-    except json.JSONDecodeError as err:
-        raise UnreadableJson(f"{err.msg} at column {err.colno}") from None
-    except RecursionError:
-        raise UnreadableJson("nested too deeply to parse") from None
-    except ValueError:  # the only other one: an integer past sys.get_int_max_str_digits()
-        raise UnreadableJson(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
 
 
 MALFORMED_FIX = "repair the line (store long numbers as strings)"

@@ -25,7 +25,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from ..callbacks.checkpoint import CheckpointError
+from ..checkpoint import CheckpointError
 from ..model import ModelConfig
 from ..model.config import ConfigError
 from ..parallel import ActivationCheckpointing

@@ -14,8 +14,8 @@ from types import ModuleType
 
 import torch
 
-from . import build, reference
-from .build import KernelsUnavailable
+from .build import KernelsUnavailable, available, forced, load, log_fallback, unavailable_reason
+from .reference import paged_decode_ref, paged_prefill_ref, rotary_emb_ref, store_kv_ref
 
 _DECODE_MIN_SPLIT = 256  # tokens: shorter chunks cost more in merging than they gain in parallelism
 _DECODE_MAX_SPLITS = 64
@@ -23,15 +23,15 @@ _DECODE_MAX_SPLITS = 64
 
 def _kernels(op: str, t: torch.Tensor) -> ModuleType | None:
     """The extension when this call should run the kernel, else None (and the fallback is logged once)."""
-    forced = build.forced()
-    if forced is False:
+    forcing = forced()
+    if forcing is False:
         return None
-    if t.is_cuda and (forced or build.available()):
-        return build.load()  # raises KernelsUnavailable when forced on but unable to load
-    if forced:
+    if t.is_cuda and (forcing or available()):
+        return load()  # raises KernelsUnavailable when forced on but unable to load
+    if forcing:
         raise KernelsUnavailable(f"{op}: the fused kernels were forced on, but its inputs are on {t.device}")
-    reason = f"inputs on {t.device}" if not t.is_cuda else build.unavailable_reason()
-    build.log_fallback(op, reason or "unknown")
+    reason = f"inputs on {t.device}" if not t.is_cuda else unavailable_reason()
+    log_fallback(op, reason or "unknown")
     return None
 
 
@@ -94,7 +94,7 @@ def rotary_emb(
     """Rotate q (..., Hq, D) and k (..., Hk, D) in place; see `reference.rotary_emb_ref`. Returns (q, k)."""
     ext = _kernels("rotary_emb", q)
     if ext is None:
-        return reference.rotary_emb_ref(q, k, cos, sin, positions)
+        return rotary_emb_ref(q, k, cos, sin, positions)
     head_dim = q.shape[-1]
     try:
         q3, k3 = q.view(-1, q.shape[-2], head_dim), k.view(-1, k.shape[-2], head_dim)
@@ -132,7 +132,7 @@ def paged_decode(
     """
     ext = _kernels("paged_decode", q)
     if ext is None:
-        return reference.paged_decode_ref(
+        return paged_decode_ref(
             q,
             k_pool,
             v_pool,
@@ -184,7 +184,7 @@ def paged_prefill(
     """
     ext = _kernels("paged_prefill", q)
     if ext is None:
-        return reference.paged_prefill_ref(
+        return paged_prefill_ref(
             q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,
             req_to_token=req_to_token, rows=rows, causal=causal, scale=scale, out=out,
         )  # fmt: skip
@@ -230,6 +230,6 @@ def store_kv(
     """k_pool[slots] = k and v_pool[slots] = v in one kernel; see `reference.store_kv_ref`."""
     ext = _kernels("store_kv", k_pool)
     if ext is None:
-        reference.store_kv_ref(k_pool, v_pool, slots, k, v)
+        store_kv_ref(k_pool, v_pool, slots, k, v)
         return
     ext.store_kv(k_pool, v_pool, slots.contiguous(), k, v, _stream(k_pool))

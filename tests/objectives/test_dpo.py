@@ -7,7 +7,7 @@ import pytest
 import torch
 from fit_runs import quiet_trainer
 
-from astrai_pl.callbacks.checkpoint import CheckpointError
+from astrai_pl.checkpoint import CheckpointError
 from astrai_pl.data import Arithmetic, DataError, DPOData
 from astrai_pl.model import ModelConfig
 from astrai_pl.model.config import ConfigError

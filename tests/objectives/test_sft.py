@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 from fit_runs import quiet_trainer
 
+from astrai_pl.checkpoint import load_transformer
 from astrai_pl.cli import lightning_main, main
 from astrai_pl.data import Arithmetic, DataError, SFTData
 from astrai_pl.data.synthetic import problems
 from astrai_pl.model import ModelConfig
 from astrai_pl.objectives import SFT, Pretrain, greedy_accuracy
-from astrai_pl.objectives.base import load_transformer
 from astrai_pl.objectives.evaluation import chat_prompts, greedy_decode
 from astrai_pl.tokenizer import Tokenizer
 

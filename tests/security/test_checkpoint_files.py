@@ -17,10 +17,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from astrai_pl.callbacks import AtomicCheckpointIO, CheckpointError, read_checkpoint
+from astrai_pl.checkpoint import load_transformer
 from astrai_pl.cli import main as cli_main
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.objectives import Pretrain
-from astrai_pl.objectives.base import load_transformer
 from astrai_pl.strategy import FSDP2Strategy
 
 
@@ -229,7 +229,7 @@ def _killed_between_the_renames(trainer: L.Trainer, target: Path, monkeypatch) -
 def test_resuming_from_last_puts_back_what_a_kill_between_the_renames_left(fsdp, tmp_path, monkeypatch):
     target = tmp_path / "last.ckpt"
     _killed_between_the_renames(fsdp.trainer, target, monkeypatch)
-    from astrai_pl.callbacks.checkpoint import prepare_resume_from_last
+    from astrai_pl.checkpoint.archive import prepare_resume_from_last
 
     prepare_resume_from_last(SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(dirpath=tmp_path)]), "last")
     assert read_checkpoint(target)["tag"] == "new"  # the new copy was complete: it is the one kept

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
+from astrai_pl.checkpoint import load_transformer
 from astrai_pl.model import ModelConfig, Transformer
-from astrai_pl.objectives.base import load_transformer
 
 CHILD = """
 import os, shutil, signal, sys, torch

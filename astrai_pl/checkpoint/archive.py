@@ -1,66 +1,30 @@
 """Checkpoint files that are either complete or absent, and that fail loudly when damaged.
 
-`AtomicCheckpointIO` (a Lightning CheckpointIO plugin, `trainer.plugins: [astrai_pl.callbacks.AtomicCheckpointIO]`)
-writes to a hidden temporary file in the target folder, fsyncs it and renames it over the target, so a
-crash mid-write leaves the previous checkpoint untouched. Loading verifies the archive's CRC-32 checksums
-(torch.load itself does not) and unpickles with `weights_only=True`; a truncated, corrupted or unsafe file
-raises CheckpointError naming the file, what is wrong with it and which checkpoints remain.
+A `.ckpt` file is written atomically (astrai_pl/atomic.py) and read back through `read_checkpoint`, which
+verifies the archive's CRC-32 checksums (torch.load itself does not) and unpickles with `weights_only=True`;
+a truncated, corrupted or unsafe file raises CheckpointError naming the file, what is wrong with it and
+which checkpoints remain. A sharded checkpoint folder is read through sharded.py.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-import warnings
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from .. import atomic
-from ..atomic import aside_path, fsync_dir, partial_path, replace_path
 from ..model.hf import CheckpointError, nonfinite_tensors
-
-__all__ = ["AtomicCheckpointIO", "aside_path", "interrupted_copy", "nonfinite_tensors", "partial_path",
-           "read_checkpoint", "recover_interrupted_replace", "replace_path", "write_atomically"]
+from .sharded import CHECKSUMS, read_sharded_weights
 
 ZIP_START = b"PK\x03\x04"  # local file header: the first thing a zip writer puts in the file
 ZIP_END = b"PK\x05\x06"  # end-of-central-directory record: the last thing a zip writer puts in the file
 
 
-# -- writing ----------------------------------------------------------------------------------------------
-def write_atomically(target: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Run `write(file)` on a temporary file beside `target`, flush it to disk, then rename it over `target`."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{target.name}.*.partial"):  # left by a writer that was killed
-        stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
+# -- cut-off replaces ----------------------------------------------------------------------------------
 def is_complete_copy(path: Path) -> bool:
     """A file is renamed into place only once written; a folder is complete once its checksum table is there."""
-    from .sharded_checkpoint import CHECKSUMS
-
     return path.is_file() or (path / CHECKSUMS).is_file()
 
 
@@ -149,10 +113,8 @@ def check_sharded_complete(path: Path) -> None:
 
 def _read_sharded(path: Path) -> dict[str, Any]:
     """The full weights and the metadata of a sharded checkpoint, read in this one process (no process
-    group) through the checks of sharded_checkpoint.py: for init_from, convert and inspection. Its
+    group) through the checks of sharded.py: for init_from, convert and inspection. Its
     optimizer shards are left out."""
-    from .sharded_checkpoint import read_sharded_weights
-
     check_sharded_complete(path)
     weights = read_sharded_weights(path)
     return {**read_checkpoint(path / "meta.pt"), "state_dict": weights}
@@ -175,7 +137,7 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu", weights_only: b
         raise CheckpointError(describe_unreadable(path, err)) from err
 
 
-def _refuse_nonfinite_weights(checkpoint: dict[str, Any], path: Any) -> None:
+def refuse_nonfinite_weights(checkpoint: dict[str, Any], path: Any) -> None:
     """CheckpointError, before anything is written, when a weight of `checkpoint` is NaN or ±inf."""
     bad = nonfinite_tensors(checkpoint.get("state_dict", {}).items())
     if bad:
@@ -267,45 +229,3 @@ def refusal_to_remove(path: Any) -> str | None:
     if entry.is_file() and entry.suffix == ".ckpt" or is_sharded_checkpoint(entry):
         return None
     return "it is neither a .ckpt file nor a sharded checkpoint folder"
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning CheckpointIO: atomic local writes, verified `weights_only=True` reads, and no file written
-    from weights that hold NaN or ±inf (CheckpointError; the previous file stays).
-
-    Remote paths (s3://, gs://, …) go through Lightning's fsspec writer unchanged, and load weights-only.
-    Removal deletes only checkpoints (`refusal_to_remove`): anything else is left, with a warning."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
-        _refuse_nonfinite_weights(checkpoint, path)
-        if "://" in str(path):
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        if storage_options is not None:
-            raise TypeError(
-                f"{type(self).__name__}.save_checkpoint: storage_options={storage_options!r} is "
-                "not supported for local files; drop it"
-            )
-        write_atomically(Path(path), lambda f: torch.save(checkpoint, f))
-
-    def load_checkpoint(
-        self, path, map_location: Any = None, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        """A remote path (http(s)://, s3://, …) always loads with weights_only=True; any failure to read it is a
-        CheckpointError naming it. A local one goes through `read_checkpoint`."""
-        if "://" in str(path):
-            return read_remote_checkpoint(str(path), map_location or "cpu")
-        return read_checkpoint(
-            path, map_location=map_location or "cpu", weights_only=weights_only is not False
-        )
-
-    def remove_checkpoint(self, path) -> None:
-        """Delete the checkpoint at `path`; a path that names anything else is left alone, with a warning (the
-        run goes on: such a path comes from a stale or crafted record in a checkpoint file)."""
-        refusal = refusal_to_remove(path)
-        if refusal is not None:
-            warnings.warn(f"{path}: not removed, because {refusal}; a run removes only its own checkpoints.",
-                          stacklevel=2)
-        elif "://" in str(path):
-            super().remove_checkpoint(path)
-        else:
-            atomic.remove_path(Path(path))

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..atomic import write_atomically
 from ..model.hf import CheckpointError
 
 CHECKSUMS = "checksums.json"
@@ -134,8 +135,6 @@ def file_checksums(folder: Path, names: list[str]) -> dict[str, list[int]]:
 
 def write_checksums(folder: Path, sums: dict[str, list[int]]) -> None:
     """The checksum table of `folder`, written atomically: the last file of a complete sharded checkpoint."""
-    from .checkpoint import write_atomically
-
     text = json.dumps({"algorithm": "crc32", "files": dict(sorted(sums.items()))}, indent=1)
     write_atomically(folder / CHECKSUMS, lambda f: f.write(text.encode("utf-8")))
 
