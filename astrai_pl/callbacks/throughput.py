@@ -22,9 +22,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from ..data.packing import IGNORE_INDEX
 from ..model import ModelConfig
-
-IGNORE_INDEX = -100
 
 # Dense (no sparsity) peak FLOP/s per device from vendor datasheets: bf16/fp16 tensor cores, and fp32.
 PEAK_FLOPS: dict[str, dict[str, float]] = {

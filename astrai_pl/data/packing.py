@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 PACKING_MODES = ("none", "bfd", "bfd_split")
 TRUNCATIONS = ("right", "left", "drop")
 POSITION_MODES = ("none", "doc_reset", "continuous")
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # a label the loss ignores (torch cross_entropy's default ignore_index)
 
 
 class Span(NamedTuple):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from ..data.packing import IGNORE_INDEX
 
 
 def logprobs_from_logits(
