@@ -107,9 +107,21 @@ def init_arguments(cls: type) -> list[Argument]:
         docs.update({p.arg_name: p.description or "" for p in docstring_parser.parse(text or "").params})
     # a schedule's optimizer is passed by the objective, never configured
     skipped = {"self", "optimizer"} if issubclass(cls, LRScheduler) else {"self"}
-    return [Argument(name, str(p.annotation), show_default(p.default), docs.get(name, ""))
-            for name, p in inspect.signature(cls.__init__).parameters.items()
-            if name not in skipped and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    parameters = inspect.signature(cls.__init__).parameters
+    own = [Argument(name, str(p.annotation), show_default(p.default), docs.get(name, ""))
+           for name, p in parameters.items()
+           if name not in skipped and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return own + forwarded_arguments(cls, {a.name for a in own})
+
+
+def forwarded_arguments(cls: type, own: set[str]) -> list[Argument]:
+    """The arguments an `__init__(…, **kwargs)` passes on to its base class's `__init__` (as jsonargparse
+    follows them), documented where the base class declares them."""
+    kinds = {p.kind for p in inspect.signature(cls.__init__).parameters.values()}
+    base = next((b for b in cls.__mro__[1:] if "__init__" in vars(b)), object)
+    if inspect.Parameter.VAR_KEYWORD not in kinds or base is object:
+        return []
+    return [a for a in init_arguments(base) if a.name not in own]
 
 
 def arguments(cls: type) -> list[Argument]:

@@ -15,8 +15,9 @@ import time
 
 import datasets
 
+from astrai_pl.data.formats import encode_row
 from astrai_pl.data.packing import pack_rows
-from astrai_pl.data.preprocess import encode_row, preset_sections
+from astrai_pl.data.preprocess import preset_sections
 from astrai_pl.data.synthetic import generate_rows, synthetic_dataset
 from astrai_pl.data.tokenized import tokenize_dataset
 from astrai_pl.tokenizer import Tokenizer

@@ -2,9 +2,10 @@
 
 from .base import RowsData
 from .dpo import DPOData, collate_pairs
+from .formats import ROW_FORMATS, encode_row, row_format
 from .grpo import GRPOData, collate_prompts
 from .packing import PackStats, collate, pack_rows
-from .preprocess import Section, encode_row, preset_sections, render_example
+from .preprocess import RowFormat, Section, preset_sections, render_example
 from .pretrain import PretrainData
 from .rows import DataError
 from .sft import SFTData
@@ -15,6 +16,7 @@ from .windows import WindowedLoader, windowed
 __all__ = [
     "PretrainData", "SFTData", "DPOData", "GRPOData", "RowsData", "Arithmetic",
     "DataError", "Section", "preset_sections", "encode_row", "render_example",
+    "RowFormat", "ROW_FORMATS", "row_format",
     "pack_rows", "PackStats", "collate", "collate_pairs", "collate_prompts",
     "WindowedLoader", "windowed",
     "Problem", "synthetic_dataset", "extract_answer", "exact_match", "accuracy",

@@ -14,8 +14,9 @@ from typing import Any
 
 import lightning as L
 
+from ..tokenizer import load_tokenizer
 from .preprocess import Section
-from .pretrain import default_cache_dir, load_tokenizer
+from .pretrain import default_cache_dir
 from .rows import check_policy, require_rows
 from .sources import Arithmetic, Encoded, encode_splits, model_vocab_size, plain, resolve_sections
 
@@ -27,20 +28,41 @@ class RowsData(L.LightningDataModule):
 
     def __init__(
         self,
-        path: str | None,
-        tokenizer: str,
-        sections: str | list[Section] | None,
-        split: str,
-        val_split: str | None,
-        val_fraction: float,
-        on_bad_row: str,
-        batch_size: int,
-        num_proc: int | None,
-        num_workers: int,
-        cache_dir: str | None,
-        seed: int,
-        synthetic: Arithmetic | None,
+        path: str | None = None,
+        tokenizer: str = "byte",
+        sections: str | list[Section] | None = None,
+        split: str = "train",
+        val_split: str | None = None,
+        val_fraction: float = 0.05,
+        on_bad_row: str = "error",
+        batch_size: int = 8,
+        num_proc: int | None = None,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+        seed: int = 0,
+        synthetic: Arithmetic | None = None,
     ):
+        """
+        Args:
+            path: Rows in the module's format (SFTData: messages, prompt/completion or text; DPOData:
+                prompt/chosen/rejected; GRPOData: a prompt and the columns rewards read): a jsonl/json/parquet/txt
+                file, a saved `datasets` directory or a hub name; None = the built-in arithmetic task (`synthetic`).
+            tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
+            sections: How a row becomes tokens and a loss mask: a preset name (SFTData: messages, chat, text,
+                prompt_completion; DPOData: preference, preference_text, with one Section on 'chosen' and one on
+                'rejected'; GRPOData: grpo, the prompt through the chat template ending
+                with the assistant header) or a list of Sections; None = the preset matching the rows' fields.
+            split: Split of a hub dataset or saved DatasetDict to train on.
+            val_split: Split to validate on; None = hold out `val_fraction` of the rows instead.
+            val_fraction: Share of rows held out for validation (by a seeded hash of the row index).
+            on_bad_row: 'error' (stop, naming the file, line and field) or 'skip' (drop the row, counted in the log).
+            batch_size: Examples (SFTData), pairs (DPOData) or prompts (GRPOData) per micro-batch.
+            num_proc: Processes for encoding (`Dataset.map`).
+            num_workers: DataLoader worker processes.
+            cache_dir: Where datasets are cached (default ~/.cache/astrai_pl or $ASTRAI_CACHE).
+            seed: Seed of the held-out split, the synthetic rows and the shuffle.
+            synthetic: The arithmetic task used when path is None.
+        """
         super().__init__()
         name = type(self).__name__
         check_policy(on_bad_row)

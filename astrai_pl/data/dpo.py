@@ -14,9 +14,8 @@ from torch.utils.data import DataLoader
 from .base import RowsData
 from .packing import IGNORE_INDEX, column_of, ragged, row_lengths
 from .preflight import check_trained_tokens, describe_example
-from .preprocess import Section
 from .rows import DataError, log_skipped
-from .sources import Arithmetic, Encoded, announce, train_sampler
+from .sources import Encoded, announce, train_sampler
 from .windows import pairs_in, windowed
 
 SIDES = ("chosen", "rejected")
@@ -76,51 +75,21 @@ class DPOData(RowsData):
 
     kind = "dpo"
 
-    def __init__(
-        self,
-        path: str | None = None,
-        tokenizer: str = "byte",
-        sections: str | list[Section] | None = None,
-        split: str = "train",
-        val_split: str | None = None,
-        val_fraction: float = 0.05,
-        max_seq_len: int = 512,
-        truncation: str = "right",
-        on_bad_row: str = "error",
-        batch_size: int = 8,
-        num_proc: int | None = None,
-        num_workers: int = 0,
-        cache_dir: str | None = None,
-        seed: int = 0,
-        synthetic: Arithmetic | None = None,
-    ):
+    def __init__(self, *, max_seq_len: int = 512, truncation: str = "right", **kwargs: Any):
         """
         Args:
-            path: Rows with prompt/chosen/rejected: a jsonl/json/parquet file, a saved `datasets` directory or
-                a hub name; None = the built-in arithmetic task (the right answer chosen over a near miss).
-            tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
-            sections: A preset name (preference, preference_text) or a list of Sections with one on 'chosen'
-                and one on 'rejected'; None = the preset matching the rows.
-            split: Split of a hub dataset or saved DatasetDict to train on.
-            val_split: Split to validate on; None = hold out `val_fraction` of the rows instead.
-            val_fraction: Share of rows held out for validation (by a seeded hash of the row index).
             max_seq_len: Longest prompt + response; longer sequences are cut or their pair dropped.
             truncation: 'right' (cut the response's tail) or 'drop' (drop the pair). Counts are logged.
-            on_bad_row: 'error' (stop, naming the file, line and field) or 'skip' (drop the row, counted in the log).
-            batch_size: Pairs per micro-batch.
-            num_proc: Processes for encoding (`Dataset.map`).
-            num_workers: DataLoader worker processes.
-            cache_dir: Where datasets are cached (default ~/.cache/astrai_pl or $ASTRAI_CACHE).
-            seed: Seed of the held-out split, the synthetic rows and the shuffle.
-            synthetic: The arithmetic task used when path is None.
+            **kwargs: The options every post-training data module shares (path, tokenizer, sections, split,
+                val_split, val_fraction, on_bad_row, batch_size, num_proc, num_workers, cache_dir, seed,
+                synthetic): see `RowsData`.
         """
         if truncation not in DPO_TRUNCATIONS:
             raise ValueError(f"DPOData.truncation={truncation!r}; use one of {DPO_TRUNCATIONS} (cutting a "
                              "pair's left side would change the prompt the two responses share)")
         if max_seq_len < 2:
             raise ValueError(f"DPOData.max_seq_len={max_seq_len}; need at least 2 tokens for one target")
-        super().__init__(path, tokenizer, sections, split, val_split, val_fraction, on_bad_row, batch_size,
-                         num_proc, num_workers, cache_dir, seed, synthetic)
+        super().__init__(**kwargs)
 
     def _build(self, splits: dict[str, Encoded]) -> None:
         self.train_set, self.val_set = (self._trainable(name, splits[name]) for name in ("train", "val"))

@@ -12,9 +12,8 @@ from torch.utils.data import DataLoader
 
 from .base import RowsData
 from .packing import row_lengths
-from .preprocess import Section
 from .rows import DataError, log_skipped
-from .sources import Arithmetic, Encoded, announce, reward_fields, train_sampler
+from .sources import Encoded, announce, reward_fields, train_sampler
 
 PROMPT_TRUNCATIONS = ("left", "drop")
 
@@ -42,44 +41,15 @@ class GRPOData(RowsData):
 
     kind = "grpo"
 
-    def __init__(
-        self,
-        path: str | None = None,
-        tokenizer: str = "byte",
-        sections: str | list[Section] | None = None,
-        split: str = "train",
-        val_split: str | None = None,
-        val_fraction: float = 0.05,
-        max_prompt_len: int = 256,
-        truncation: str = "left",
-        on_bad_row: str = "error",
-        batch_size: int = 8,
-        num_proc: int | None = None,
-        num_workers: int = 0,
-        cache_dir: str | None = None,
-        seed: int = 0,
-        synthetic: Arithmetic | None = None,
-    ):
+    def __init__(self, *, max_prompt_len: int = 256, truncation: str = "left", **kwargs: Any):
         """
         Args:
-            path: Rows with a prompt and reward columns: a jsonl/json/parquet file, a saved `datasets`
-                directory or a hub name; None = the built-in arithmetic task (prompts and their `answer`).
-            tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
-            sections: A preset name ('grpo': the prompt through the chat template, ending with the
-                assistant header) or a list of Sections; None = the preset matching the rows.
-            split: Split of a hub dataset or saved DatasetDict to train on.
-            val_split: Split to validate on; None = hold out `val_fraction` of the rows instead.
-            val_fraction: Share of rows held out for validation (by a seeded hash of the row index).
             max_prompt_len: Longest prompt in tokens.
             truncation: A longer prompt: 'left' keeps its tail (the question and the assistant header), 'drop'
                 drops the row. Counts are logged.
-            on_bad_row: 'error' (stop, naming the file, line and field) or 'skip' (drop the row, counted in the log).
-            batch_size: Prompts per batch.
-            num_proc: Processes for encoding (`Dataset.map`).
-            num_workers: DataLoader worker processes.
-            cache_dir: Where datasets are cached (default ~/.cache/astrai_pl or $ASTRAI_CACHE).
-            seed: Seed of the held-out split, the synthetic rows and the shuffle.
-            synthetic: The arithmetic task used when path is None.
+            **kwargs: The options every post-training data module shares (path, tokenizer, sections, split,
+                val_split, val_fraction, on_bad_row, batch_size, num_proc, num_workers, cache_dir, seed,
+                synthetic): see `RowsData`.
         """
         if truncation not in PROMPT_TRUNCATIONS:
             raise ValueError(
@@ -88,21 +58,7 @@ class GRPOData(RowsData):
             )
         if max_prompt_len < 1:
             raise ValueError(f"GRPOData.max_prompt_len={max_prompt_len}; must be >= 1")
-        super().__init__(
-            path,
-            tokenizer,
-            sections,
-            split,
-            val_split,
-            val_fraction,
-            on_bad_row,
-            batch_size,
-            num_proc,
-            num_workers,
-            cache_dir,
-            seed,
-            synthetic,
-        )
+        super().__init__(**kwargs)
 
     def _build(self, splits: dict[str, Encoded]) -> None:
         self.train_set, self.val_set = (self._fit(name, splits[name]) for name in ("train", "val"))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from astrai_pl.model.config import ConfigError
 
@@ -102,27 +102,6 @@ def preset_sections(name: str) -> list[Section]:
     if name not in presets:
         raise ConfigError(f"unknown sections preset {name!r}; use one of {sorted(presets)} or list Sections")
     return presets[name]
-
-
-def infer_sections(row: dict[str, Any], kind: str = "sft") -> list[Section]:
-    """The preset matching a row's fields (kind: sft, dpo or grpo); lists of messages use the template."""
-    chat = isinstance(row.get("prompt"), list)
-    if kind == "dpo":
-        return preset_sections("preference" if chat else "preference_text")
-    if kind == "grpo":
-        return preset_sections("grpo") if chat else [Section("prompt", action="mask")]
-    for fields, name in (
-        (("messages",), "messages"),
-        (("prompt", "completion"), "chat" if chat else "prompt_completion"),
-        (("text",), "text"),
-    ):
-        if all(f in row for f in fields):
-            return preset_sections(name)
-    raise DataError(
-        f"cannot tell the row format from its fields {sorted(row)}",
-        None,
-        "give rows 'messages', 'prompt'+'completion' or 'text', or pass sections explicitly",
-    )
 
 
 def needs_loss_mask(sections: Sequence[Section]) -> bool:
@@ -222,113 +201,31 @@ def encode_pieces(rows: Sequence[Sequence[Piece]], tokenizer: Any) -> list[tuple
     return out
 
 
-# --- row kinds: the pieces of each segment, then the output columns built from the encoded segments ----
+# --- row formats: what a kind of row is (the registry is `formats.ROW_FORMATS`) ----------------------
 
 
-def sft_segments(
-    row: dict[str, Any], sections: Sequence[Section], tokenizer: Any, header: str
-) -> list[list[Piece]]:
-    pieces = bos_pieces(sections, tokenizer)
-    for section in sections:
-        pieces += section_pieces(row, section, tokenizer, header)
-    return [pieces]
+@dataclass(frozen=True)
+class RowFormat:
+    """How rows of one kind are checked, encoded and shaped; the data modules' `kind` names one."""
 
-
-def sft_columns(segments: list[tuple[list[int], list[int]]], sections: Sequence[Section]) -> dict[str, Any]:
-    ((ids, mask),) = segments
-    return {"input_ids": ids, "loss_mask": mask} if needs_loss_mask(sections) else {"input_ids": ids}
-
-
-def preference_segments(
-    row: dict[str, Any], sections: Sequence[Section], tokenizer: Any, header: str
-) -> list[list[Piece]]:
-    """[shared prompt, chosen, rejected]: the sections on 'chosen' and 'rejected' are the two responses."""
-    prompt = bos_pieces(sections, tokenizer)
-    responses: dict[str, list[Piece]] = {}
-    for section in sections:
-        pieces = section_pieces(row, section, tokenizer, header)
-        if section.field in PREFERENCE_FIELDS:
-            responses[section.field] = pieces
-        else:
-            prompt += pieces
-    missing = [f for f in PREFERENCE_FIELDS if f not in responses]
-    if missing:
-        raise ConfigError(
-            f"preference sections need a Section for {missing}; see preset_sections('preference')"
-        )
-    return [prompt, responses["chosen"], responses["rejected"]]
-
-
-def preference_columns(
-    segments: list[tuple[list[int], list[int]]], sections: Sequence[Section]
-) -> dict[str, Any]:
-    (p_ids, p_mask), (c_ids, c_mask), (r_ids, r_mask) = segments
-    return {
-        "chosen_input_ids": p_ids + c_ids,
-        "chosen_loss_mask": p_mask + c_mask,
-        "rejected_input_ids": p_ids + r_ids,
-        "rejected_loss_mask": p_mask + r_mask,
-        "prompt_length": len(p_ids),
-    }
-
-
-def prompt_segments(
-    row: dict[str, Any], sections: Sequence[Section], tokenizer: Any, header: str
-) -> list[list[Piece]]:
-    """The prompt a policy continues: BOS, the sections, then the assistant header (template mode)."""
-    (pieces,) = sft_segments(row, sections, tokenizer, header)
-    return [pieces + [(header, 0)] if header else pieces]
-
-
-def prompt_columns(
-    segments: list[tuple[list[int], list[int]]], sections: Sequence[Section]
-) -> dict[str, Any]:
-    return {"prompt_ids": segments[0][0]}
-
-
-PREFERENCE_FIELDS = ("chosen", "rejected")
-
-
-class RowKind(NamedTuple):
-    segments: Callable[..., list[list[Piece]]]
-    """The pieces of each segment of a row (raises DataError on a bad row)."""
-    columns: Callable[..., dict[str, Any]]
-    """The output columns, from the encoded segments."""
+    kind: str
+    """The data module's kind (sft, dpo, grpo): the key of the format in `formats.ROW_FORMATS`."""
+    segments: Callable[[dict[str, Any], Sequence[Section], Any, str], list[list[Piece]]]
+    """(row, sections, tokenizer, assistant header) -> the pieces of each segment; DataError on a bad row."""
+    columns: Callable[[list[tuple[list[int], list[int]]], Sequence[Section]], dict[str, Any]]
+    """(the (ids, mask) of each encoded segment, sections) -> the output columns of the row."""
     count: int
     """Segments per row."""
-
-
-ROW_KINDS = {
-    "sft": RowKind(sft_segments, sft_columns, 1),
-    "dpo": RowKind(preference_segments, preference_columns, 3),
-    "grpo": RowKind(prompt_segments, prompt_columns, 1),
-}
-
-
-def encode_rows(
-    rows: Sequence[dict[str, Any]], sections: Sequence[Section], tokenizer: Any, kind: str = "sft"
-) -> list[dict[str, Any]]:
-    """Encode rows of one kind (sft, dpo, grpo) with one batched tokenizer call; DataError on a bad row."""
-    segments_of, columns_of, _ = ROW_KINDS[kind]
-    header = generation_prompt(tokenizer) if any(s.template for s in sections) else ""
-    planned = [segments_of(row, sections, tokenizer, header) for row in rows]
-    encoded = iter(encode_pieces([seg for segs in planned for seg in segs], tokenizer))
-    return [columns_of([next(encoded) for _ in segs], sections) for segs in planned]
-
-
-def encode_row(row: dict[str, Any], sections: Sequence[Section], tokenizer: Any) -> dict[str, list[int]]:
-    """{"input_ids", "loss_mask"} of one SFT row; "loss_mask" is absent when every token trains."""
-    return encode_rows([row], sections, tokenizer, "sft")[0]
-
-
-def encode_preference(row: dict[str, Any], sections: Sequence[Section], tokenizer: Any) -> dict[str, Any]:
-    """chosen_/rejected_ input_ids and loss_mask sharing the prompt's tokens, and prompt_length."""
-    return encode_rows([row], sections, tokenizer, "dpo")[0]
-
-
-def encode_prompt(row: dict[str, Any], sections: Sequence[Section], tokenizer: Any) -> dict[str, Any]:
-    """{"prompt_ids"}: the ids a policy continues (GRPO); the row's other columns are the caller's to keep."""
-    return encode_rows([row], sections, tokenizer, "grpo")[0]
+    ids_column: str
+    """The encoded column of token ids that starts with BOS (checked once per row)."""
+    default_preset: str
+    """The sections preset of the built-in arithmetic rows (path None)."""
+    sections_of: Callable[[dict[str, Any]], list[Section]]
+    """A row -> the sections matching its fields (sections None); DataError when none does."""
+    arithmetic_row: Callable[[str, str, str], dict[str, Any]]
+    """(question, answer, a near miss) -> one row of the built-in arithmetic task."""
+    keeps_columns: bool = False
+    """Encoded rows keep the row's own columns too (e.g. `answer`, for reward functions)."""
 
 
 def render_example(input_ids: Sequence[int], loss_mask: Sequence[int] | None, tokenizer: Any) -> str:

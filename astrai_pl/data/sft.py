@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from datasets import Dataset
 from torch.utils.data import DataLoader
@@ -10,9 +11,8 @@ from torch.utils.data import DataLoader
 from .base import RowsData
 from .packing import check_options, collate, pack_rows
 from .preflight import check_trained_tokens, describe_example
-from .preprocess import Section
 from .sampling import StatefulLoader, data_parallel_rank, shuffled_batches
-from .sources import Arithmetic, Encoded, announce
+from .sources import Encoded, announce
 from .windows import windowed
 
 
@@ -29,64 +29,27 @@ class SFTData(RowsData):
 
     def __init__(
         self,
-        path: str | None = None,
-        tokenizer: str = "byte",
-        sections: str | list[Section] | None = None,
-        split: str = "train",
-        val_split: str | None = None,
-        val_fraction: float = 0.05,
+        *,
         max_seq_len: int = 512,
         packing: str = "bfd",
         truncation: str = "right",
         position_ids: str = "doc_reset",
-        on_bad_row: str = "error",
-        batch_size: int = 8,
-        num_proc: int | None = None,
-        num_workers: int = 0,
-        cache_dir: str | None = None,
-        seed: int = 0,
-        synthetic: Arithmetic | None = None,
+        **kwargs: Any,
     ):
         """
         Args:
-            path: Rows: a jsonl/json/parquet/txt file, a saved `datasets` directory or a hub name; None = the
-                built-in arithmetic task (`synthetic`).
-            tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
-            sections: How a row becomes tokens and a loss mask: a preset name (messages, chat, text,
-                prompt_completion) or a list of Sections; None = the preset matching the rows' fields.
-            split: Split of a hub dataset or saved DatasetDict to train on.
-            val_split: Split to validate on; None = hold out `val_fraction` of the rows instead.
-            val_fraction: Share of rows held out for validation (by a seeded hash of the row index).
             max_seq_len: Tokens per packed example (per row when packing is 'none').
             packing: 'none' (one row per example), 'bfd' (best-fit decreasing bins) or 'bfd_split'
                 (as bfd, an overlong row split into pieces instead of truncated).
             truncation: A row longer than max_seq_len (packing none/bfd): 'right' keeps its head, 'left' its
                 tail, 'drop' drops it. Counts are logged.
             position_ids: 'doc_reset' (restart at 0 per packed document), 'continuous' or 'none'.
-            on_bad_row: 'error' (stop, naming the file, line and field) or 'skip' (drop the row, counted in the log).
-            batch_size: Examples per micro-batch.
-            num_proc: Processes for encoding (`Dataset.map`).
-            num_workers: DataLoader worker processes.
-            cache_dir: Where datasets are cached (default ~/.cache/astrai_pl or $ASTRAI_CACHE).
-            seed: Seed of the held-out split, the synthetic rows and the shuffle.
-            synthetic: The arithmetic task used when path is None.
+            **kwargs: The options every post-training data module shares (path, tokenizer, sections, split,
+                val_split, val_fraction, on_bad_row, batch_size, num_proc, num_workers, cache_dir, seed,
+                synthetic): see `RowsData`.
         """
         check_options(max_seq_len, packing, truncation, position_ids)
-        super().__init__(
-            path,
-            tokenizer,
-            sections,
-            split,
-            val_split,
-            val_fraction,
-            on_bad_row,
-            batch_size,
-            num_proc,
-            num_workers,
-            cache_dir,
-            seed,
-            synthetic,
-        )
+        super().__init__(**kwargs)
 
     def _build(self, splits: dict[str, Encoded]) -> None:
         hp = self.hparams

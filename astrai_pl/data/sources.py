@@ -24,14 +24,12 @@ from torch.utils.data import DistributedSampler, RandomSampler, Sampler
 from ..model.config import ConfigError
 from .corpus import is_held_out
 from .files import FILE_LOADERS, load_file
+from .formats import infer_sections, row_format
 from .preflight import check_bos_once, check_tokenizer
-from .preprocess import Section, infer_sections, preset_sections
+from .preprocess import Section, preset_sections
 from .rows import DataError, Dropped, read_jsonl
-from .synthetic import KINDS, OPERATORS, Problem, problems, synthetic_dataset
+from .synthetic import OPERATORS, Problem, problems, synthetic_dataset
 from .tokenized import load_jsonl, tokenize_dataset
-
-DEFAULT_PRESETS = {"sft": "messages", "dpo": "preference", "grpo": "grpo"}
-IDS_COLUMNS = {"sft": "input_ids", "dpo": "chosen_input_ids", "grpo": "prompt_ids"}
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,7 @@ def resolve_sections(
             raise ConfigError("sections=[]: list at least one Section, or give a preset name")
         return sections
     if path is None:
-        return preset_sections(DEFAULT_PRESETS[kind])
+        return preset_sections(row_format(kind).default_preset)
     return infer_sections(_first_row(path, split, on_bad_row, cache_dir), kind)
 
 
@@ -204,7 +202,7 @@ def encode_splits(
     vocab_size: int | None = None,
 ) -> dict[str, Encoded]:
     """{"train": …, "val": …}: rows read, preflighted and encoded; held-out rows split off."""
-    assert kind in KINDS, kind
+    ids_column = row_format(kind).ids_column
     check_model_fit(tokenizer, vocab_size)
     check_tokenizer(tokenizer, sections, vocab_size)
     encoded = {}
@@ -224,7 +222,7 @@ def encode_splits(
         )
         if on_bad_row == "skip" and len(out) != len(rows):
             lines = None  # rows were dropped: positions no longer match lines
-        check_bos_once(out, tokenizer, source, lines, IDS_COLUMNS[kind])
+        check_bos_once(out, tokenizer, source, lines, ids_column)
         encoded[name] = Encoded(out, lines, source, dropped)
     if "all" in encoded:
         encoded = hold_out(encoded["all"], val_fraction, seed)

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 from datasets import Dataset
 
+from .formats import row_format
+
 OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 SPLITS = ("train", "test")
-KINDS = ("sft", "dpo", "grpo")
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*")
 NEAR_MISSES = (-10, -2, -1, 1, 2, 10)
 
@@ -73,30 +74,12 @@ def wrong_answer(problem: Problem, rng: random.Random) -> str:
     return str(int(problem.answer) + rng.choice(NEAR_MISSES))
 
 
-def _user(text: str) -> dict[str, str]:
-    return {"role": "user", "content": text}
-
-
-def _assistant(text: str) -> dict[str, str]:
-    return {"role": "assistant", "content": text}
-
-
 def generate_rows(kind: str, n: int, split: str = "train", seed: int = 0, **options) -> Iterator[dict]:
     """Rows of one kind: sft {messages}, dpo {prompt, chosen, rejected} (as messages), grpo {prompt, answer}."""
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r}; use one of {KINDS}")
-    rng = random.Random(f"{seed}:{split}:wrong")
+    arithmetic_row = row_format(kind).arithmetic_row
+    rng = random.Random(f"{seed}:{split}:wrong")  # apart from the problems' generator: rows of every kind agree
     for p in problems(n, split, seed, **options):
-        if kind == "sft":
-            yield {"messages": [_user(p.question), _assistant(p.answer)]}
-        elif kind == "dpo":
-            yield {
-                "prompt": [_user(p.question)],
-                "chosen": [_assistant(p.answer)],
-                "rejected": [_assistant(wrong_answer(p, rng))],
-            }
-        else:
-            yield {"prompt": [_user(p.question)], "answer": p.answer}
+        yield arithmetic_row(p.question, p.answer, wrong_answer(p, rng))
 
 
 def synthetic_dataset(

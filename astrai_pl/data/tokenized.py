@@ -17,7 +17,8 @@ from typing import Any
 from datasets import Dataset
 
 from .files import content_named_copy, load_file
-from .preprocess import ROW_KINDS, Section, check_row, encode_pieces, generation_prompt
+from .formats import row_format
+from .preprocess import Section, check_row, encode_pieces, generation_prompt
 from .rows import DataError, Dropped, check_policy, log_skipped, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -36,24 +37,24 @@ def _encode_batch(
     lines: Sequence[int] | None,
     on_bad_row: str,
 ) -> dict[str, list]:
-    segments_of, columns_of, count = ROW_KINDS[kind]
+    fmt = row_format(kind)
     header = generation_prompt(tokenizer) if any(s.template for s in sections) else ""
     names = list(batch)
     planned, errors, summaries = [], [], []
     for index, values in zip(indices, zip(*batch.values())):
         try:
-            planned.append(segments_of(dict(zip(names, values)), sections, tokenizer, header))
+            planned.append(fmt.segments(dict(zip(names, values)), sections, tokenizer, header))
             errors.append("")
             summaries.append("")
         except DataError as err:
             located = err.at_row(source, lines, index)
             if on_bad_row == "error":
                 raise located from None
-            planned.append([[]] * count)  # an empty row, dropped after the map
+            planned.append([[]] * fmt.count)  # an empty row, dropped after the map
             errors.append(str(located))
             summaries.append(located.summary)
     encoded = iter(encode_pieces([seg for segs in planned for seg in segs], tokenizer))
-    rows = [columns_of([next(encoded) for _ in segs], sections) for segs in planned]
+    rows = [fmt.columns([next(encoded) for _ in segs], sections) for segs in planned]
     out = {key: [row[key] for row in rows] for key in rows[0]}
     if on_bad_row == "skip":
         out[ERROR_COLUMN], out[SUMMARY_COLUMN] = errors, summaries
@@ -81,14 +82,13 @@ def tokenize_dataset(
     counted into `dropped`.
     """
     check_policy(on_bad_row)
-    if kind not in ROW_KINDS:
-        raise ValueError(f"kind={kind!r}; use one of {sorted(ROW_KINDS)}")
+    fmt = row_format(kind)
     source = source or (dataset.info.dataset_name or "dataset")
     if len(dataset) == 0:
         raise DataError(
             "no rows to encode", fix="check the path, the split and the held-out fraction", source=source
         )
-    removed = [] if kind == "grpo" else dataset.column_names
+    removed = [] if fmt.keeps_columns else dataset.column_names
     kwargs = dict(
         kind=kind,
         sections=list(sections),

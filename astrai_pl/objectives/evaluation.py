@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data.preprocess import encode_rows, preset_sections
+from ..data.formats import encode_rows
+from ..data.preprocess import preset_sections
 from ..data.synthetic import Problem, accuracy
 
 

@@ -1,6 +1,7 @@
 import pytest
 from datasets import Dataset
 
+from astrai_pl.data.formats import encode_row
 from astrai_pl.data.preflight import (
     check_bos_once,
     check_special_tokens,
@@ -8,7 +9,7 @@ from astrai_pl.data.preflight import (
     check_trained_tokens,
     describe_example,
 )
-from astrai_pl.data.preprocess import Section, encode_row, preset_sections
+from astrai_pl.data.preprocess import Section, preset_sections
 from astrai_pl.data.rows import DataError
 from astrai_pl.tokenizer import CHATML_TEMPLATE, Tokenizer
 

@@ -1,14 +1,7 @@
 import pytest
 
-from astrai_pl.data.preprocess import (
-    Section,
-    encode_preference,
-    encode_prompt,
-    encode_row,
-    infer_sections,
-    preset_sections,
-    render_example,
-)
+from astrai_pl.data.formats import encode_preference, encode_prompt, encode_row, infer_sections
+from astrai_pl.data.preprocess import Section, preset_sections, render_example
 from astrai_pl.model import ConfigError
 from astrai_pl.tokenizer import Tokenizer, train_bpe
 

@@ -1,7 +1,7 @@
 import pytest
 
+from astrai_pl.data.formats import encode_preference, encode_prompt, encode_row, infer_sections
 from astrai_pl.data.preflight import check_tokenizer
-from astrai_pl.data.preprocess import encode_preference, encode_prompt, encode_row, infer_sections
 from astrai_pl.data.synthetic import (
     Problem,
     accuracy,
