@@ -168,7 +168,8 @@ def check_step_and_store(report: Report, device: str) -> None:
 def check_engine(device: str) -> bool | None:
     """Greedy tokens with the cuda backend == with the torch backend; None when there is no Engine."""
     try:
-        from astrai_pl.inference import Engine, SamplingParams, attn_backend
+        from astrai_pl.inference import Engine, SamplingParams
+        from astrai_pl.inference.backends import attn_backend
     except ImportError as err:
         print(f"  note: engine check skipped, astrai_pl.inference has no Engine yet ({err})")
         return None

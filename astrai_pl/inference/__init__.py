@@ -4,31 +4,23 @@
     engine = Engine(model, tokenizer)
     [completion] = engine.generate("Once upon a time", SamplingParams(max_tokens=32, temperature=0))
 
-See docs/inference.md for the design.
+    with engine:                                  # a background loop steps the batch
+        handle = engine.submit("Hello", params)   # from any thread; iterate or `async for` its deltas
+
+The internals (KVPool, RadixCache, KVStorage, StepView, the attention backends, sample, …) are imported
+from their modules. See docs/inference.md for the design.
 """
 
 from .admission import PromptError
-from .backends import (
-    BACKEND_NAMES,
-    FLASH_ATTN_AVAILABLE,
-    BackendUnavailable,
-    StepView,
-    attn_backend,
-    available_backends,
-    select_backend,
-)
-from .cache import CapacityError, InferenceError, KVStorage, PageAllocator, ReqToTokenPool
+from .backends import BackendUnavailable
+from .cache import CapacityError, InferenceError
 from .engine import Engine, EngineConfigError, EngineStats
-from .pool import KVPool, PoolUsage
-from .radix import RadixCache
+from .handle import RequestHandle
 from .request import Completion, Delta, RequestError
-from .sampling import SamplingParams, SamplingParamsError, sample
-from .sessions import Session, SessionError, SessionMemory, model_fingerprint
-from .text import TextStream
+from .sampling import SamplingParams, SamplingParamsError
+from .sessions import Session, SessionError, SessionMemory
 
 __all__ = [
-    "BACKEND_NAMES",
-    "FLASH_ATTN_AVAILABLE",
     "BackendUnavailable",
     "CapacityError",
     "Completion",
@@ -37,24 +29,12 @@ __all__ = [
     "EngineConfigError",
     "EngineStats",
     "InferenceError",
-    "KVPool",
-    "KVStorage",
-    "PageAllocator",
-    "PoolUsage",
     "PromptError",
-    "RadixCache",
-    "ReqToTokenPool",
     "RequestError",
+    "RequestHandle",
     "SamplingParams",
     "SamplingParamsError",
     "Session",
     "SessionError",
     "SessionMemory",
-    "StepView",
-    "TextStream",
-    "attn_backend",
-    "available_backends",
-    "model_fingerprint",
-    "sample",
-    "select_backend",
 ]

@@ -14,7 +14,11 @@ import torch
 
 from .cache import CapacityError, InferenceError
 from .pool import KVPool
+from .request import Request
 from .sampling import SamplingParams, SamplingParamsError
+from .text import TextStream
+
+Prompt = str | Sequence[int]  # text, or token ids
 
 
 class PromptError(InferenceError, ValueError):
@@ -135,3 +139,21 @@ def check_room(
             f"{need + params.n - 1} pages of {pool.page_size}, the pool has "
             f"{pool.num_pages}; raise max_total_tokens or lower max_tokens or n"
         )
+
+
+def text_stream(tokenizer, params: SamplingParams) -> TextStream | None:
+    if tokenizer is None:
+        return None
+    return TextStream(tokenizer, params.stop, params.skip_special_tokens)
+
+
+def new_request(
+    request_id: str, prompt, params: SamplingParams, history: list[int], engine, session
+) -> Request:
+    """A checked request for `prompt` after `history` on `engine` (nothing is queued if a check fails)."""
+    vocab_size = engine.model.config.vocab_size
+    check_params(params, vocab_size, engine.tokenizer is not None)
+    tokens = history + prompt_token_ids(prompt, engine.tokenizer, vocab_size)
+    check_room(len(tokens), params, engine.max_context, engine.scheduler.max_batch_size, engine.pool)
+    stream = text_stream(engine.tokenizer, params)
+    return Request(request_id, tokens, params, stream, session=session, device=engine.device)

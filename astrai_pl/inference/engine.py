@@ -4,56 +4,38 @@
     engine.generate(["Once upon a time"], SamplingParams(max_tokens=32))   # -> [Completion]
     for delta in engine.stream("Hello", SamplingParams(temperature=0)): print(delta.text, end="")
 
-Callers that drive the loop themselves use `add_request` and `step` (which returns their `Delta`s).
-One step = schedule → one forward over all scheduled tokens (decodes and prefill chunks of every
-running request, concatenated into a single row) → sample → append, stop, release. Whichever call
-runs a step, each delta is kept for its own consumer (`Outbox`), so streams and `step()` callers may
-take turns. The engine is not thread-safe; use one per thread or serialise the calls.
+    with engine:                                   # a background thread steps the batch
+        handle = engine.submit("Hello", params)    # from any thread
+        for delta in handle: ...                   # or `async for`, `handle.result()`, `await handle.result_async()`
+
+A request's life: submit (checked, queued, a handle opened) → schedule → step (one forward over every
+scheduled token, in a single row; sample; append) → finish or abort → release (`_finish`: row and pages
+go back, or to the session of the turn) → its handle closes. One step runs at a time, under `lock`: on
+the background loop, or, when none runs, on whichever caller waits (`drive`). `add_request`/`step`
+callers run their own loop; each delta reaches its own consumer (`Outbox`).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from itertools import count
 
 import torch
 
-from .admission import check_params, check_room, is_single_prompt, params_per_prompt, prompt_token_ids
-from .cache import CapacityError, InferenceError, KVStorage, ReqToTokenPool
-from .pool import KVPool, PoolUsage, default_total_tokens
-from .request import Completion, Delta, Outbox, Request, RequestError, end_ids, is_sample_of
+from .admission import Prompt, is_single_prompt, new_request, params_per_prompt, text_stream
+from .cache import CapacityError, InferenceError
+from .handle import Outbox, RequestHandle
+from .loop import BackgroundLoop
+from .pool import EngineConfigError, PoolUsage, build_pool, positive
+from .request import Completion, Delta, Request, end_ids, is_sample_of
 from .runner import ModelRunner
 from .sampling import SamplingParams, SamplingParamsError, sample
-from .scheduler import Scheduler
+from .scheduler import EngineStats, Scheduler
 from .sessions import FingerprintCache, Session, load_session
-from .text import TextStream
 
-Prompt = str | Sequence[int]
-
-
-class EngineConfigError(InferenceError, ValueError):
-    """An Engine argument is out of range."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters since the engine was built. Prefill tokens are computed prompt positions; decode, the rest."""
-
-    steps: int
-    prefill_tokens: int
-    decode_tokens: int
-    cached_tokens: int  # prompt tokens of finished requests taken from the cache, a session or a fork
-    evicted_pages: int
-    preemptions: int
-    forks: int
-
-
-def _positive(name: str, value: int) -> int:
-    if value < 1:
-        raise EngineConfigError(f"Engine {name}={value}: must be >= 1; pass a positive value")
-    return value
+__all__ = ["Engine", "EngineConfigError", "EngineStats", "Prompt"]
 
 
 class Engine:
@@ -92,38 +74,31 @@ class Engine:
             debug = os.environ.get("ASTRAI_INFERENCE_DEBUG", "0").lower() not in ("", "0", "false", "no")
         self.debug = debug
         gpu = self.device.type == "cuda"
-        if max_batch_size is None:
-            max_batch_size = 256 if gpu else 64
-        if max_step_tokens is None:
-            max_step_tokens = 8192 if gpu else 1024
-        max_batch_size = _positive("max_batch_size", max_batch_size)
-        max_step_tokens = _positive("max_step_tokens", max_step_tokens)
-        self.pool = self._build_pool(page_size, max_total_tokens, max_batch_size, prefix_cache, contiguous)
+        max_batch_size = positive(
+            "max_batch_size", (256 if gpu else 64) if max_batch_size is None else max_batch_size
+        )
+        max_step_tokens = positive(
+            "max_step_tokens", (8192 if gpu else 1024) if max_step_tokens is None else max_step_tokens
+        )
+        self.pool, self.max_context = build_pool(
+            model.config, self.device, self.dtype, page_size, max_total_tokens, max_batch_size, prefix_cache,
+            contiguous,
+        )  # fmt: skip
+        self.page_size = self.pool.page_size
         self.scheduler = Scheduler(self.pool, max_batch_size, max_step_tokens)
         self.runner = ModelRunner(model, self.pool, self.device, self.dtype)
         self.eos_token_ids = end_ids(model, tokenizer)
         self.sessions: dict[str, Session] = {}
+        self.fingerprint = FingerprintCache(model)
+        self.lock = threading.RLock()  # held by every step and every change to the requests
+        self._loop = BackgroundLoop(
+            self.lock, lambda: not self.scheduler.idle, self._serve_step, self._wake_handles
+        )
         self._requests: dict[str, Request] = {}
         self._outbox = Outbox()
+        self._ended: list[Request] = []  # groups whose last sample finished in this step
         self._ids = count()
         self._counts = dict(steps=0, prefill_tokens=0, decode_tokens=0, cached_tokens=0, forks=0)
-        self.fingerprint = FingerprintCache(model)
-
-    def _build_pool(self, page_size, max_total_tokens, max_batch_size, prefix_cache, contiguous) -> KVPool:
-        cfg = self.model.config
-        if max_total_tokens is None:
-            max_total_tokens = default_total_tokens(cfg, self.device, self.dtype)
-        self.max_context = min(cfg.max_position_embeddings, max_total_tokens)
-        if contiguous:
-            page_size, prefix_cache = self.max_context, False
-        self.page_size = _positive("page_size", page_size)
-        if max_total_tokens < page_size:
-            raise EngineConfigError(
-                f"Engine max_total_tokens={max_total_tokens} holds no page of {page_size} tokens; raise it"
-            )
-        storage = KVStorage.for_model(cfg, max_total_tokens // page_size * page_size, self.dtype, self.device)
-        table = ReqToTokenPool(max_batch_size, self.max_context, self.device)
-        return KVPool(storage, table, page_size, prefix_cache)
 
     # -- public API -----------------------------------------------------------------------------------------
     @property
@@ -134,7 +109,15 @@ class Engine:
 
     def usage(self) -> PoolUsage:
         """Pages free, evictable (cached, unused) and in use."""
-        return self.pool.usage()
+        with self.lock:
+            return self.pool.usage()
+
+    def submit(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, session: Session | None = None
+    ) -> RequestHandle:
+        """Queue a prompt (a refusal raises here and queues nothing), from any thread; its deltas come to
+        the handle as the batch is stepped. With `session`, a turn of that conversation."""
+        return self._open(prompt, params or SamplingParams(), session, keep_deltas=True)
 
     def generate(
         self,
@@ -144,173 +127,174 @@ class Engine:
         """Completions for each prompt (a string or a list of ids): n per prompt, grouped by prompt, in order."""
         prompts = [prompts] if is_single_prompt(prompts) else list(prompts)
         params = params_per_prompt(params, len(prompts))
-        requests = [self._request(p, sp) for p, sp in zip(prompts, params)]
-        self._complete(requests)
-        return [r.completion() for req in requests for r in sorted(req.group, key=lambda r: r.index)]
+        with self.lock:  # every prompt is checked before any is queued
+            requests = [self._request(p, sp) for p, sp in zip(prompts, params)]
+            handles = [self._queue(req, keep_deltas=False) for req in requests]
+        try:
+            for handle in handles:
+                handle.wait()
+        except BaseException:
+            for handle in handles:
+                self.abort(handle.id)
+            raise
+        return [c for handle in handles for c in handle.result()]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[Delta]:
-        """Deltas of one completion as they are decoded; their texts concatenate to the final text."""
-        return self._stream(self._request(prompt, params or SamplingParams()))
+        """Deltas of one completion as they are decoded; their texts concatenate to the final text.
+        The request is queued now; abandoning the iterator aborts it."""
+        with self.lock:
+            req = self._request(prompt, params or SamplingParams())
+            if req.params.n != 1:
+                raise SamplingParamsError(
+                    f"stream() returns one completion, got SamplingParams.n={req.params.n}; use generate()"
+                )
+            return self.deltas(self._queue(req, keep_deltas=True))
+
+    def deltas(self, handle: RequestHandle) -> Iterator[Delta]:
+        """Iterate `handle`, aborting its request if the iteration stops before the end."""
+        try:
+            yield from handle
+        finally:
+            if not handle.done:
+                self.abort(handle.id)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> str:
         """Queue a prompt; returns its request id. Its deltas come out of `step()`."""
-        req = self._request(prompt, params or SamplingParams())
-        self._submit(req)
-        self._outbox.open(req.id, stream=False)
-        return req.id
+        with self.lock:
+            req = self._request(prompt, params or SamplingParams())
+            self._queue(req, None)
+            return req.id
 
     def abort(self, request_id: str) -> None:
         """Stop a request now, all n of its samples, and release every page they hold; what they made
-        that was not handed out yet is dropped."""
-        self._outbox.forget(request_id)
-        for req in [r for rid, r in self._requests.items() if is_sample_of(rid, request_id)]:
-            req.forks_left = 0
-            if req in self.scheduler.waiting:
-                self.scheduler.waiting.remove(req)
-            self._finish(req, "abort")
+        that was not handed out yet is dropped. Safe from any thread."""
+        with self.lock:
+            self._outbox.forget(request_id)
+            for req in [r for rid, r in self._requests.items() if is_sample_of(rid, request_id)]:
+                req.forks_left = 0
+                self._finish(req, "abort")
+            self._close_ended()
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued or running, or `step()` has deltas left to return."""
-        return not self.scheduler.idle or bool(self._outbox.queue)
+        with self.lock:
+            return not self.scheduler.idle or bool(self._outbox.queue)
 
     def session(self, ttl: float | None = None) -> Session:
         """A conversation whose K/V stays in the pool between turns (see sessions.py)."""
-        session = Session(self, ttl)
-        self.sessions[session.id] = session
-        return session
+        with self.lock:
+            return self.sessions.setdefault((session := Session(self, ttl)).id, session)
 
     def load_session(self, path, ttl: float | None = None) -> Session:
         """A session saved by `Session.save`, into this engine; refused if the model differs."""
-        session = load_session(self, path, ttl)
-        self.sessions[session.id] = session
-        return session
+        with self.lock:
+            return self.sessions.setdefault((session := load_session(self, path, ttl)).id, session)
 
     def expire_sessions(self, now: float | None = None) -> list[Session]:
         """Expire every idle session whose TTL has run out at `now` (time.monotonic()); returns them."""
-        due = [s for s in self.sessions.values() if s.due(now)]
-        for session in due:
-            session.expire()
-        return due
+        with self.lock:
+            due = [s for s in self.sessions.values() if s.due(now)]
+            for session in due:
+                session.expire()
+            return due
 
     def reset_prefix_cache(self) -> int:
         """Evict every unused cached prefix; returns pages freed. After changing the weights call
         `weights_changed()` instead, which also does this."""
-        if self.pool.radix is None:
-            return 0
-        freed = self.pool.radix.reset()
-        self.pool.evicted_pages += freed
-        return freed
+        with self.lock:
+            return self.pool.reset_cache()
 
     def weights_changed(self) -> int:
         """Forget everything computed from the old weights: the cached prefixes (their K/V) and, on CPU,
-        the weight copies. Returns pages freed. Call it after any change to the model's weights.
-
-        The CPU weight copies notice in-place updates that bump a weight's version counter by themselves
-        (foreach and for-loop optimizers, `load_state_dict`), but not `torch.optim.AdamW(fused=True)` or
-        writes through `param.data`, which bump none: for those this call is what makes the engine use the
-        new weights. The cached K/V are never checked against the weights: only this call drops them.
-        """
-        if self.runner.weights is not None:
-            self.runner.weights.clear()
-        self.fingerprint.clear()
-        return self.reset_prefix_cache()
+        the weight copies; returns pages freed. Call it after any change to the weights: the CPU copies
+        notice writes that bump a version counter, not `AdamW(fused=True)` or `param.data` writes, and the
+        cached K/V are never checked against the weights."""
+        with self.lock:
+            if self.runner.weights is not None:
+                self.runner.weights.clear()
+            self.fingerprint.clear()
+            return self.reset_prefix_cache()
 
     def step(self) -> list[Delta]:
         """Run one scheduling step; returns, in the order made, what the requests added with
-        `add_request` gained in it and in the steps that streams and `generate` ran since the last call.
+        `add_request` gained in it and in the steps that other callers or the loop ran since the last call.
 
         A failure while computing or sampling fails only the requests it concerns: the step is run again
-        one request at a time, and a request that fails alone ends with finish_reason "error" (its Delta's
-        completion says why) and gives its pages back.
+        one request at a time; one failing alone ends with finish_reason "error" and gives its pages back.
         """
-        self._advance()
-        return self._outbox.take_stepped()
+        with self.lock:
+            self._advance()
+            return self._outbox.take_stepped()
 
-    def _advance(self) -> bool:
-        """One step, its deltas posted to their consumers; False when nothing could be scheduled."""
-        self.expire_sessions()
-        plan = self.scheduler.schedule()
-        if not plan:
-            return False
-        self._counts["steps"] += 1
-        self._count_tokens(plan)
-        with torch.inference_mode():
-            self._outbox.post(self._run(plan))
-        if self.debug:
-            self.check()
-        return True
-
-    # -- requests -------------------------------------------------------------------------------------------
-    def _request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        session: Session | None = None,
-        history: list[int] | None = None,
-    ) -> Request:
-        vocab_size = self.model.config.vocab_size
-        check_params(params, vocab_size, self.tokenizer is not None)
-        tokens = (history or []) + prompt_token_ids(prompt, self.tokenizer, vocab_size)
-        check_room(len(tokens), params, self.max_context, self.scheduler.max_batch_size, self.pool)
-        stream = self._text_stream(params)
-        return Request(f"req-{next(self._ids)}", tokens, params, stream, session=session, device=self.device)
-
-    def _text_stream(self, params: SamplingParams) -> TextStream | None:
-        if self.tokenizer is None:
-            return None
-        return TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
-
-    def _submit(self, req: Request) -> None:
-        self._requests[req.id] = req
-        self.scheduler.waiting.append(req)
-
-    def _stream(self, req: Request) -> Iterator[Delta]:
-        """Queue `req` now; the returned iterator drives the engine until it finishes (abort if abandoned)."""
-        if req.params.n != 1:
-            raise SamplingParamsError(
-                f"stream() returns one completion, got SamplingParams.n={req.params.n}; use generate()"
-            )
-        self._submit(req)
-        self._outbox.open(req.id, stream=True)
-        return self._deltas(req)
-
-    def _deltas(self, req: Request) -> Iterator[Delta]:
-        """Hand out req's kept deltas, stepping the engine only when none are left (the deltas of other
-        requests are kept for their own consumers)."""
-        try:
-            while not req.finished or self._outbox.holds(req.id):
-                deltas = self._outbox.take(req.id)
-                if not deltas:
-                    self._step_or_fail()
-                for delta in deltas:
-                    if delta.finish_reason == "error":
-                        raise RequestError(req.id, req.error)
-                    if delta.token_ids or delta.finish_reason:
-                        yield delta
-        finally:
-            if not req.finished:
-                self.abort(req.id)
-            self._outbox.forget(req.id)
-
-    def _complete(self, requests: list[Request]) -> None:
-        """Queue `requests` and step until all their samples finish. On any exception they are aborted
-        (nothing stays queued behind it); a sample that failed in a step raises RequestError."""
-        for req in requests:
-            self._submit(req)
-
-        def samples() -> list[Request]:
-            return [r for req in requests for r in req.group]
-
-        try:
-            while not all(r.finished for r in samples()):
+    def drive(self) -> None:
+        """Step once for a caller waiting on a handle, unless the background loop does the stepping.
+        Raises when nothing is queued, or nothing queued fits in the pool."""
+        with self.lock:
+            if not self.running:
                 self._step_or_fail()
-        except BaseException:
-            for r in samples():
-                self.abort(r.id)
-            raise
-        failed = next((r for r in samples() if r.error is not None), None)
-        if failed is not None:
-            raise RequestError(failed.id, failed.error)
+
+    # -- the background loop (loop.py) ----------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """Whether a background loop steps the batch."""
+        return self._loop.running
+
+    def start(self) -> Engine:
+        """Step the batch on a background thread until `stop()`; `with engine:` does both."""
+        self._loop.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the background loop after its current step; requests stay queued for whoever steps next."""
+        self._loop.stop()
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def run_forever(self) -> None:
+        """Step whenever a request is queued, on this thread, until `stop()` from another."""
+        self._loop.run()
+
+    def _serve_step(self) -> None:
+        """The background loop's step. An error ends the requests it concerns (a sample failing alone:
+        that sample; an engine-wide error, or nothing queued fitting in the pool: every request)."""
+        try:
+            self._step_or_fail()
+        except Exception as err:  # an engine-wide error, or nothing fits: it ends every request
+            for handle in self._outbox.open_handles():
+                handle.close([], err)
+            for request_id in {req.group[0].id for req in self._requests.values()}:
+                self.abort(request_id)
+
+    def _wake_handles(self) -> None:  # the loop ended: their readers step the engine themselves now
+        for handle in self._outbox.open_handles():
+            handle.wake()
+
+    # -- requests: submit → schedule → step → finish → release ----------------------------------------------
+    def _request(self, prompt: Prompt, params: SamplingParams, session: Session | None = None) -> Request:
+        history = session.tokens if session is not None else []
+        return new_request(f"req-{next(self._ids)}", prompt, params, history, self, session)
+
+    def _open(
+        self, prompt, params: SamplingParams, session: Session | None, keep_deltas: bool
+    ) -> RequestHandle:
+        with self.lock:
+            req = self._request(prompt, params, session)
+            if session is not None:
+                req.resume(*session.lend(req.id))
+            return self._queue(req, keep_deltas)
+
+    def _queue(self, req: Request, keep_deltas: bool | None) -> RequestHandle | None:
+        """Track and queue `req`; its handle (None for `add_request`: its deltas go to `step()`)."""
+        handle = None if keep_deltas is None else RequestHandle(req.id, self, keep_deltas)
+        self._requests[req.id] = req
+        self._outbox.open(req.id, handle)
+        self.scheduler.add(req)
+        self._loop.notify()
+        return handle
 
     def _step_or_fail(self) -> None:
         if self.scheduler.idle:
@@ -321,6 +305,29 @@ class Engine:
                 f"no queued request fits in the pool ({self.pool.usage()}; sessions pin {pinned} pages); "
                 "close or expire sessions, or raise max_total_tokens"
             )
+
+    def _advance(self) -> bool:
+        """One step, its deltas posted to their consumers; False when nothing could be scheduled."""
+        self.expire_sessions()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return False
+        self._counts["steps"] += 1
+        self._count_tokens(plan)
+        try:
+            with torch.inference_mode():
+                self._outbox.post(self._run(plan))
+        finally:
+            self._close_ended()
+        if self.debug:
+            self.check()
+        return True
+
+    def _close_ended(self) -> None:
+        """Close the handles of the requests whose every sample ended, after their last deltas went out."""
+        ended, self._ended = self._ended, []
+        for parent in ended:
+            self._outbox.end(parent.id, [r.completion() for r in sorted(parent.group, key=lambda r: r.index)])
 
     # -- one step's bookkeeping -----------------------------------------------------------------------------
     def _count_tokens(self, plan: list[tuple[Request, int]]) -> None:
@@ -440,7 +447,7 @@ class Engine:
         """Samples 1..n-1 of a prompt: full pages shared, the partial page copied; they sample now."""
         clones = []
         while parent.forks_left:
-            clone = parent.fork(self._text_stream(parent.params), self.device)
+            clone = parent.fork(text_stream(self.tokenizer, parent.params), self.device)
             self._requests[clone.id] = clone
             self._outbox.follow(parent.id, clone.id)
             if self.scheduler.add_fork(parent, clone):
@@ -449,45 +456,40 @@ class Engine:
         return clones
 
     def _append(self, req: Request, token: int, logprob: float | None) -> Delta:
-        req.tokens.append(token)
-        if logprob is not None and req.params.logprobs:
-            req.logprobs.append(logprob)
-        params, text, reason = req.params, "", None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            reason = "stop"  # the stop id is kept in token_ids, left out of the text
-        else:
-            if req.stream is not None:
-                text = req.stream.push(token)
-                reason = "stop" if req.stream.stopped else None
-            if reason is None and (
-                len(req.tokens) - req.num_prompt >= params.max_tokens or len(req.tokens) >= self.max_context
-            ):
-                reason = "length"
+        text, reason = req.append(token, logprob, self.eos_token_ids, self.max_context)
         if reason is None:
             return Delta(req.id, text, [token])
-        if req.stream is not None:
-            text += req.stream.finish()
         self._finish(req, reason)
         return Delta(req.id, text, [token], reason, req.completion())
 
     def _finish(self, req: Request, reason: str, last_logits: torch.Tensor | None = None) -> None:
+        """End `req` and release it: its row and pages go back (full computed pages to the radix cache),
+        or, for a session's turn that did not fail, to the session. The one place memory leaves a request."""
         req.finish_reason = reason
         self._counts["cached_tokens"] += req.cached_tokens
-        if req in self.scheduler.running:
-            self.scheduler.running.remove(req)
-        if req.session is not None:
-            req.session.adopt(req, last_logits)
-        else:
-            self.scheduler.release(req)
+        self.scheduler.remove(req)
+        session = req.session
+        pages = self.scheduler.release(req, keep=session is not None and req.error is None)
+        if session is not None:
+            session.end_turn(req, pages, req.ready_logits if last_logits is None else last_logits)
         self._requests.pop(req.id, None)
+        parent = req.group[0]
+        if parent.forks_left == 0 and all(r.finished for r in parent.group):
+            self._ended.append(parent)
 
     # -- accounting -----------------------------------------------------------------------------------------
     def check(self) -> PoolUsage:
-        """Recount the pool: free + evictable + in use == total, no page or row owned twice, tables right."""
-        usage = self.scheduler.check([s.pages for s in self.sessions.values()], self.sessions.values())
-        if self.scheduler.idle:
-            assert not self._requests, f"idle engine still tracks {list(self._requests)}"
-        return usage
+        """Recount the pool: free + evictable + in use == total, no page or row owned twice, tables right;
+        every tracked request queued or running, every open handle and step() id one of a tracked request."""
+        with self.lock:
+            usage = self.scheduler.check([s.pages for s in self.sessions.values()], self.sessions.values())
+            scheduled = {r.id for r in (*self.scheduler.waiting, *self.scheduler.running)}
+            assert scheduled == set(self._requests), (
+                f"tracked {sorted(self._requests)}, scheduled {sorted(scheduled)}"
+            )
+            self._outbox.check(self._requests)
+            assert not self._ended, "a finished request's handle was never closed"
+            return usage
 
 
 def _rewind(before: list[tuple[Request, int, int]]) -> None:

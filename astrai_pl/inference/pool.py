@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import KVStorage, PageAllocator, ReqToTokenPool
+from .cache import InferenceError, KVStorage, PageAllocator, ReqToTokenPool
 from .radix import RadixCache
 
 
@@ -117,6 +117,14 @@ class KVPool:
         return pages[:full] + copy
 
     # -- accounting -----------------------------------------------------------------------------------------
+    def reset_cache(self) -> int:
+        """Evict every unused cached prefix; pages freed."""
+        if self.radix is None:
+            return 0
+        freed = self.radix.reset()
+        self.evicted_pages += freed
+        return freed
+
     def usage(self) -> PoolUsage:
         a = self.allocator
         return PoolUsage(a.num_free, a.num_evictable, a.num_in_use, a.num_pages, self.page_size)
@@ -160,3 +168,30 @@ class KVPool:
         shared = [p for p in writable if a.refs[p] != 1]
         assert not shared, f"pages {shared} receive K/V writes but are shared (copy-on-write broken)"
         return usage
+
+
+class EngineConfigError(InferenceError, ValueError):
+    """An Engine argument is out of range."""
+
+
+def positive(name: str, value: int) -> int:
+    if value < 1:
+        raise EngineConfigError(f"Engine {name}={value}: must be >= 1; pass a positive value")
+    return value
+
+
+def build_pool(cfg, device, dtype, page_size, max_total_tokens, max_batch_size, prefix_cache, contiguous):
+    """The KV pool an Engine of these arguments serves from, and its longest context."""
+    if max_total_tokens is None:
+        max_total_tokens = default_total_tokens(cfg, device, dtype)
+    max_context = min(cfg.max_position_embeddings, max_total_tokens)
+    if contiguous:
+        page_size, prefix_cache = max_context, False
+    page_size = positive("page_size", page_size)
+    if max_total_tokens < page_size:
+        raise EngineConfigError(
+            f"Engine max_total_tokens={max_total_tokens} holds no page of {page_size} tokens; raise it"
+        )
+    storage = KVStorage.for_model(cfg, max_total_tokens // page_size * page_size, dtype, device)
+    table = ReqToTokenPool(max_batch_size, max_context, device)
+    return KVPool(storage, table, page_size, prefix_cache), max_context

@@ -9,16 +9,13 @@ in chunks, a decode step computes the one token sampled last. Its pages cover po
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .cache import InferenceError
 from .sampling import SamplingParams
 from .text import TextStream
-
-if TYPE_CHECKING:
-    from .sessions import Session
 
 
 class RequestError(InferenceError):
@@ -70,6 +67,12 @@ class Delta:
     completion: Completion | None = None
 
 
+class TurnOwner(Protocol):
+    """What a session turn's request gives its memory back to when it ends (a `Session`)."""
+
+    def end_turn(self, req: Request, pages: list[int], last_logits: torch.Tensor | None) -> None: ...
+
+
 class Request:
     def __init__(
         self,
@@ -79,7 +82,7 @@ class Request:
         stream: TextStream | None,
         *,
         index: int = 0,
-        session: Session | None = None,
+        session: TurnOwner | None = None,
         device: torch.device | str = "cpu",
     ):
         self.id, self.params, self.stream, self.index, self.session = (
@@ -135,6 +138,37 @@ class Request:
         self.group.append(clone)
         return clone
 
+    def resume(self, pages: list[int], num_computed: int, last_logits, kv_from_file: bool) -> None:
+        """Start on a session's memory: its pages, computed tokens and kept (V,) logits."""
+        self.pages, self.num_computed, self.kv_from_file = pages, num_computed, kv_from_file
+        if num_computed:
+            self.started, self.cached_tokens = True, min(num_computed, self.num_prompt)
+        if num_computed == len(self.tokens):  # nothing new to compute: sample from the kept logits
+            assert last_logits is not None, "a fully computed session keeps its logits"
+            self.ready_logits = last_logits
+
+    def append(
+        self, token: int, logprob: float | None, end_ids: set[int], max_context: int
+    ) -> tuple[str, str | None]:
+        """Add a sampled token: the text now safe to show, and why the request ends here (or None)."""
+        self.tokens.append(token)
+        if logprob is not None and self.params.logprobs:
+            self.logprobs.append(logprob)
+        params, text, reason = self.params, "", None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in end_ids):
+            reason = "stop"  # the stop id is kept in token_ids, left out of the text
+        else:
+            if self.stream is not None:
+                text = self.stream.push(token)
+                reason = "stop" if self.stream.stopped else None
+            if reason is None and (
+                len(self.tokens) - self.num_prompt >= params.max_tokens or len(self.tokens) >= max_context
+            ):
+                reason = "length"
+        if reason is not None and self.stream is not None:
+            text += self.stream.finish()
+        return text, reason
+
     def completion(self) -> Completion:
         assert self.finished, "completion() of a running request"
         return Completion(
@@ -153,56 +187,3 @@ class Request:
 def is_sample_of(sample_id: str, request_id: str) -> bool:
     """Whether `sample_id` is request `request_id` or one of its n samples (sample i of r is "r.i")."""
     return sample_id == request_id or sample_id.startswith(request_id + ".")
-
-
-class Outbox:
-    """Deltas made in a step that their consumer was not pulling, kept until it does: each stream's
-    own, and one queue, in the order they were made, for `Engine.step()` (requests added with
-    `add_request`, and their samples). Deltas of other requests are dropped: generate and session
-    turns read the completion."""
-
-    def __init__(self):
-        self.streams: dict[str, list[Delta]] = {}
-        self.stepped: set[str] = set()
-        self.queue: list[Delta] = []
-
-    def open(self, request_id: str, stream: bool) -> None:
-        if stream:
-            self.streams[request_id] = []
-        else:
-            self.stepped.add(request_id)
-
-    def follow(self, parent_id: str, sample_id: str) -> None:
-        """A sample goes where its parent's deltas go."""
-        if parent_id in self.stepped:
-            self.stepped.add(sample_id)
-
-    def post(self, deltas: list[Delta]) -> None:
-        for delta in deltas:
-            if delta.request_id in self.streams:
-                self.streams[delta.request_id].append(delta)
-            elif delta.request_id in self.stepped:
-                self.queue.append(delta)
-                if delta.finish_reason is not None:
-                    self.stepped.discard(delta.request_id)
-
-    def holds(self, request_id: str) -> bool:
-        return bool(self.streams.get(request_id))
-
-    def take(self, request_id: str) -> list[Delta]:
-        """What stream `request_id` has not handed out yet."""
-        if request_id not in self.streams:  # aborted
-            return []
-        deltas, self.streams[request_id] = self.streams[request_id], []
-        return deltas
-
-    def take_stepped(self) -> list[Delta]:
-        deltas, self.queue = self.queue, []
-        return deltas
-
-    def forget(self, request_id: str) -> None:
-        """Drop what request `request_id` and its samples have not handed out (it was aborted or is done)."""
-        for rid in [r for r in (*self.streams, *self.stepped) if is_sample_of(r, request_id)]:
-            self.streams.pop(rid, None)
-            self.stepped.discard(rid)
-        self.queue = [d for d in self.queue if not is_sample_of(d.request_id, request_id)]

@@ -19,11 +19,25 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from .pool import KVPool, PoolUsage
 from .request import Request
 
 _LOOKAHEAD = 64  # waiting requests examined per step
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine was built. Prefill tokens are computed prompt positions; decode, the rest."""
+
+    steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    cached_tokens: int  # prompt tokens of finished requests taken from the cache, a session or a fork
+    evicted_pages: int
+    preemptions: int
+    forks: int
 
 
 class Scheduler:
@@ -36,6 +50,17 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
+
+    def add(self, req: Request) -> None:
+        """Queue a request behind the waiting ones."""
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request off the queue or out of the batch (it finished or was aborted)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
 
     def schedule(self) -> list[tuple[Request, int]]:
         """(request, tokens to compute) for the next forward; 0 tokens: sample from ready logits."""
@@ -115,14 +140,18 @@ class Scheduler:
             if pages != req.pages:
                 req.pages, req.table_len = pages, 0
 
-    def release(self, req: Request) -> None:
-        """Drop a request's pages (its computed full pages stay in the radix cache) and its row."""
+    def release(self, req: Request, keep: bool = False) -> list[int]:
+        """Give back a request's row and its pages (its computed full pages stay in the radix cache). With
+        `keep` the pages are handed to the caller instead (a session taking back its turn's memory)."""
         self.publish(req)
-        self.pool.release(req.pages)
-        req.pages = []
+        pages, req.pages = req.pages, []
         if req.row is not None:
             self.pool.req_to_token.free(req.row)
             req.row = None
+        if keep:
+            return pages
+        self.pool.release(pages)
+        return []
 
     # -- admission ----------------------------------------------------------------------------------------
     def _admit(self, plan: list[tuple[Request, int]], budget: int) -> None:

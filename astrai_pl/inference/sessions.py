@@ -29,18 +29,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .admission import Prompt
 from .cache import CapacityError, InferenceError
 from .request import Completion, Delta, Request
 from .sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from .engine import Engine, Prompt
 
 FORMAT = "astrai_pl.session"
 VERSION = "2"  # version 1 files carry a fingerprint of sampled weights, which version 2 does not trust
@@ -100,7 +97,9 @@ class SessionMemory:
 
 
 class Session:
-    def __init__(self, engine: Engine, ttl: float | None = None):
+    """A conversation kept in `engine`'s pool; it reaches the engine only through its public methods."""
+
+    def __init__(self, engine, ttl: float | None = None):
         self.engine, self.ttl = engine, ttl
         self.id = f"session-{next(_ids)}"
         self.tokens: list[int] = []
@@ -109,7 +108,7 @@ class Session:
         self.last_logits: torch.Tensor | None = None  # (V,) when every token is computed
         self.kv_from_file = False  # its K/V derive from a loaded file: kept out of the radix cache
         self.expired = self.closed = False
-        self._busy: Request | None = None
+        self._busy: str | None = None  # the id of the turn running now
         self.touch()
 
     # -- turns ----------------------------------------------------------------------------------------------
@@ -118,57 +117,53 @@ class Session:
 
         If the turn fails (RequestError) or is interrupted, the session keeps its history without the turn.
         """
-        req = self._request(prompt, params)
-        self.engine._complete([req])
-        return req.completion()
+        handle = self.submit(prompt, params)
+        try:
+            handle.wait()
+        except BaseException:
+            handle.abort()
+            raise
+        [completion] = handle.result()
+        return completion
 
     def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None) -> Iterator[Delta]:
         """Like `generate`, as deltas."""
-        return self.engine._stream(self._request(prompt, params))
+        return self.engine.deltas(self.submit(prompt, params))
 
     def append(self, prompt: Prompt) -> None:
         """Add tokens without generating; they are computed now and the next-token logits kept."""
         self.generate(prompt, SamplingParams(max_tokens=0))
 
-    def _request(self, prompt: Prompt | None, params: SamplingParams | None) -> Request:
-        self._check_usable()
-        params = params or SamplingParams()
-        if params.n != 1:
-            raise SessionError(
-                f"a session continues one conversation, got SamplingParams.n={params.n}; use fork()"
-            )
-        req = self.engine._request(
-            prompt if prompt is not None else [], params, session=self, history=self.tokens
-        )
-        req.pages, req.num_computed, req.kv_from_file = self.pages, self.num_computed, self.kv_from_file
-        if self.num_computed:
-            req.started, req.cached_tokens = True, min(self.num_computed, req.num_prompt)
-        if self.num_computed == len(req.tokens):  # nothing new to compute: sample from the kept logits
-            assert self.last_logits is not None, "a fully computed session keeps its logits"
-            req.ready_logits = self.last_logits
-        self.pages, self.last_logits, self._busy, self.expired = [], None, req, False
-        return req
+    def submit(self, prompt: Prompt | None = None, params: SamplingParams | None = None):
+        """Queue a turn (safe from any thread); the engine's `RequestHandle` for it."""
+        with self.engine.lock:
+            self._check_usable()
+            params = params or SamplingParams()
+            if params.n != 1:
+                raise SessionError(
+                    f"a session continues one conversation, got SamplingParams.n={params.n}; use fork()"
+                )
+            return self.engine.submit(prompt if prompt is not None else [], params, session=self)
 
-    def adopt(self, req: Request, last_logits: torch.Tensor | None) -> None:
-        """Take back the state of this session's finished request (the engine calls this). A failed
-        turn is dropped: the history stays, its pages go back (full ones to the radix cache)."""
-        pool = self.engine.pool
-        self.engine.scheduler.publish(req)
-        if req.row is not None:
-            pool.req_to_token.free(req.row)
-            req.row = None
+    def lend(self, request_id: str) -> tuple[list[int], int, torch.Tensor | None, bool]:
+        """Hand this session's memory to its next turn (the engine calls this): pages, computed tokens,
+        kept logits and whether its K/V come from a file. The session is busy until `end_turn`."""
+        lent = self.pages, self.num_computed, self.last_logits, self.kv_from_file
+        self.pages, self.last_logits, self._busy, self.expired = [], None, request_id, False
+        return lent
+
+    def end_turn(self, req: Request, pages: list[int], last_logits: torch.Tensor | None) -> None:
+        """Take back the memory of this session's finished turn (the engine calls this, with the pages it
+        kept for the session). A failed turn is dropped: the history stays, its pages went back."""
+        self._busy = None
         if req.error is not None:
-            pool.release(req.pages)
-            req.pages, self.pages, self.num_computed, self.last_logits, self._busy = [], [], 0, None, None
-            self.kv_from_file = False
+            self.pages, self.num_computed, self.last_logits, self.kv_from_file = [], 0, None, False
             return
-        self.pages, req.pages, self.kv_from_file = req.pages, [], req.kv_from_file
+        self.pages, self.kv_from_file = pages, req.kv_from_file
         self.tokens, self.num_computed = list(req.tokens), req.num_computed
-        last_logits = req.ready_logits if last_logits is None else last_logits  # aborted before sampling
         if last_logits is not None and self.num_computed == len(self.tokens):
             self.last_logits = last_logits.clone()
         assert self.num_computed < len(self.tokens) or self.last_logits is not None, "computed without logits"
-        self._busy = None
         self.touch()
 
     # -- lifetime -------------------------------------------------------------------------------------------
@@ -184,15 +179,19 @@ class Session:
     def expire(self) -> None:
         """Unpin the pages: cached full pages become evictable, the partial page is freed; tokens stay."""
         if self._busy is not None:
-            raise SessionError(f"{self.id} is running {self._busy.id}; it cannot expire mid-turn")
+            raise SessionError(f"{self.id} is running {self._busy}; it cannot expire mid-turn")
         self.engine.pool.release(self.pages)
         self.pages, self.num_computed, self.last_logits, self.expired = [], 0, None, True
         self.kv_from_file = False  # nothing of the file is left: the next turn recomputes
 
     def close(self) -> None:
         """Abort a running turn, release every page and forget the session."""
-        if self._busy is not None:
-            self.engine.abort(self._busy.id)
+        with self.engine.lock:
+            if self._busy is not None:
+                self.engine.abort(self._busy)
+            self._release()
+
+    def _release(self) -> None:
         if not self.closed:
             self.engine.pool.release(self.pages)
             self.pages, self.closed = [], True
@@ -202,24 +201,25 @@ class Session:
         if self.closed:
             raise SessionError(f"{self.id} is closed; start a new one with engine.session()")
         if self._busy is not None:
-            raise SessionError(f"{self.id} is running {self._busy.id}; wait for that turn to finish")
+            raise SessionError(f"{self.id} is running {self._busy}; wait for that turn to finish")
 
     # -- copies ---------------------------------------------------------------------------------------------
     def fork(self) -> Session:
         """An independent copy: full pages shared (copy-on-write), the partial page copied."""
-        self._check_usable()
-        child = self.engine.session(self.ttl)
-        child.tokens, child.kv_from_file = list(self.tokens), self.kv_from_file
-        if self.pages:
-            pages = self.engine.pool.fork(self.pages, self.num_computed)
-            if pages is None:
-                child.close()
-                raise CapacityError(
-                    f"no free page to copy {self.id}'s partial page; free memory or raise max_total_tokens"
-                )
-            child.pages, child.num_computed = pages, self.num_computed
-        child.last_logits = None if self.last_logits is None else self.last_logits.clone()
-        return child
+        with self.engine.lock:
+            self._check_usable()
+            child = self.engine.session(self.ttl)
+            child.tokens, child.kv_from_file = list(self.tokens), self.kv_from_file
+            if self.pages:
+                pages = self.engine.pool.fork(self.pages, self.num_computed)
+                if pages is None:
+                    child.close()
+                    raise CapacityError(
+                        f"no free page to copy {self.id}'s partial page; free memory or raise max_total_tokens"
+                    )
+                child.pages, child.num_computed = pages, self.num_computed
+            child.last_logits = None if self.last_logits is None else self.last_logits.clone()
+            return child
 
     def memory(self) -> SessionMemory:
         refs, ps = self.engine.pool.allocator.refs, self.engine.page_size
@@ -231,25 +231,26 @@ class Session:
 
     def save(self, path: str | Path) -> None:
         """Write tokens, K/V of the computed tokens, last logits and the model fingerprint (safetensors)."""
-        self._check_usable()
-        pool = self.engine.pool
-        slots = torch.tensor(
-            pool.slots(self.pages, 0, self.num_computed), dtype=torch.int64, device=pool.storage.k.device
-        )
-        k, v = pool.storage.read(slots)  # (layers, num_computed, Hkv, D)
-        tensors = {"tokens": torch.tensor(self.tokens, dtype=torch.int64), "k": k.cpu(), "v": v.cpu()}
-        if self.last_logits is not None:
-            tensors["last_logits"] = self.last_logits.cpu()
-        metadata = {
-            "format": FORMAT,
-            "version": VERSION,
-            "fingerprint": self.engine.fingerprint.get(),
-            "num_computed": str(self.num_computed),
-        }
-        save_file({name: t.contiguous() for name, t in tensors.items()}, str(path), metadata=metadata)
+        with self.engine.lock:
+            self._check_usable()
+            pool = self.engine.pool
+            slots = torch.tensor(
+                pool.slots(self.pages, 0, self.num_computed), dtype=torch.int64, device=pool.storage.k.device
+            )
+            k, v = pool.storage.read(slots)  # (layers, num_computed, Hkv, D)
+            tensors = {"tokens": torch.tensor(self.tokens, dtype=torch.int64), "k": k.cpu(), "v": v.cpu()}
+            if self.last_logits is not None:
+                tensors["last_logits"] = self.last_logits.cpu()
+            metadata = {
+                "format": FORMAT,
+                "version": VERSION,
+                "fingerprint": self.engine.fingerprint.get(),
+                "num_computed": str(self.num_computed),
+            }
+            save_file({name: t.contiguous() for name, t in tensors.items()}, str(path), metadata=metadata)
 
 
-def load_session(engine: Engine, path: str | Path, ttl: float | None = None) -> Session:
+def load_session(engine, path: str | Path, ttl: float | None = None) -> Session:
     """Read a saved session into `engine`'s pool (the engine registers it). Everything read is checked
     before a page is taken, and a failure after that gives every page back. The pages stay the
     session's own: K/V from a file never enter the radix cache, where other requests would use them."""
@@ -279,7 +280,7 @@ def load_session(engine: Engine, path: str | Path, ttl: float | None = None) -> 
     return session
 
 
-def _read(engine: Engine, path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+def _read(engine, path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """The metadata and tensors of a session file, refused (SessionError) unless it is one for this model."""
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -295,7 +296,7 @@ def _read(engine: Engine, path: str | Path) -> tuple[dict[str, str], dict[str, t
         ) from err
 
 
-def _check_header(engine: Engine, path, metadata: dict[str, str]) -> None:
+def _check_header(engine, path, metadata: dict[str, str]) -> None:
     if metadata.get("format") != FORMAT:
         raise SessionError(
             f"{path} is not a saved session (format {metadata.get('format')!r}); pass a file written by Session.save"
@@ -313,7 +314,7 @@ def _check_header(engine: Engine, path, metadata: dict[str, str]) -> None:
         )
 
 
-def _checked(engine: Engine, path, metadata: dict[str, str], tensors: dict[str, torch.Tensor]):
+def _checked(engine, path, metadata: dict[str, str], tensors: dict[str, torch.Tensor]):
     """tokens, positions to load, K, V and logits (or None), each checked against the engine."""
 
     def refuse(what: str) -> SessionError:
@@ -349,7 +350,7 @@ def _checked(engine: Engine, path, metadata: dict[str, str], tensors: dict[str, 
     return tokens, computed, tensors["k"], tensors["v"], logits
 
 
-def _checked_tokens(engine: Engine, tokens: torch.Tensor, refuse) -> list[int]:
+def _checked_tokens(engine, tokens: torch.Tensor, refuse) -> list[int]:
     vocab = engine.model.config.vocab_size
     if tokens.dtype != torch.int64 or tokens.dim() != 1:
         raise refuse(f"tokens are {tokens.dtype} of shape {tuple(tokens.shape)}, not a 1-D int64 list")

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .backends import StepView
+from .step_view import StepView
 
 MIRROR_BYTES = 256 * 1024**2  # above this the decode group is gathered every step instead
 
@@ -91,7 +89,9 @@ class TorchBackend:
         mask = (torch.arange(width, device=lens.device) < lens[:, None])[:, None, None, :]
         if mirror is not None:
             _, _, Hkv, capacity, _ = mirror.k.shape
-            heads = torch.arange(nd, device=lens.device)[:, None] * Hkv + torch.arange(Hkv, device=lens.device)
+            heads = torch.arange(nd, device=lens.device)[:, None] * Hkv + torch.arange(
+                Hkv, device=lens.device
+            )
             new_rows = (heads * capacity + (lens - 1)[:, None]).reshape(-1)
             return _Group(None, mask, None, None, None, 1, mirror=mirror, new_rows=new_rows)
         return _Group(_gather_index(view, view.rows[:nd], width, unit), mask, None, None, None, 1)

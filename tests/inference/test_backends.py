@@ -5,16 +5,10 @@ import threading
 import pytest
 import torch
 
-from astrai_pl.inference import (
-    BackendUnavailable,
-    KVPool,
-    KVStorage,
-    ReqToTokenPool,
-    StepView,
-    attn_backend,
-    select_backend,
-)
-from astrai_pl.inference.backends import CudaBackend, TorchBackend
+from astrai_pl.inference import BackendUnavailable
+from astrai_pl.inference.backends import CudaBackend, StepView, TorchBackend, attn_backend, select_backend
+from astrai_pl.inference.cache import KVStorage, ReqToTokenPool
+from astrai_pl.inference.pool import KVPool
 
 CPU = torch.device("cpu")
 

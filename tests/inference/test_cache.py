@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from astrai_pl.inference import KVPool, KVStorage, PageAllocator, RadixCache, ReqToTokenPool
+from astrai_pl.inference.cache import KVStorage, PageAllocator, ReqToTokenPool
+from astrai_pl.inference.pool import KVPool
+from astrai_pl.inference.radix import RadixCache
 
 
 def make_pool(num_pages=16, page_size=4, prefix_cache=True, rows=4) -> KVPool:

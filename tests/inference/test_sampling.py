@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from astrai_pl.inference import SamplingParams, SamplingParamsError, sample
-from astrai_pl.inference.sampling import apply_penalties, mask_top_k_top_p_min_p
+from astrai_pl.inference import SamplingParams, SamplingParamsError
+from astrai_pl.inference.sampling import apply_penalties, mask_top_k_top_p_min_p, sample
 
 LOGITS = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0])  # probabilities fall off fast
 

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from astrai_pl.inference import Engine, SamplingParams, TextStream
+from astrai_pl.inference import Engine, SamplingParams
+from astrai_pl.inference.text import TextStream
 from astrai_pl.model import ModelConfig
 
 tokenizers = pytest.importorskip("astrai_pl.tokenizer")
