@@ -59,7 +59,13 @@ def param_groups(model: nn.Module) -> list[dict[str, Any]]:
 
 
 class Objective(L.LightningModule, ABC):
-    """Holds a Transformer; subclasses implement `_shared_step(batch, stage) -> (loss, metrics)`."""
+    """Holds a Transformer; subclasses implement `_shared_step(batch, stage) -> (loss, metrics)`.
+
+    The options every objective takes are declared here once. A subclass declares only its own, keyword-only,
+    and passes the rest on (`def __init__(self, *args, beta=0.1, **kwargs)`, `super().__init__(*args,
+    **kwargs)`): a config still names them flat (`model.init_args.arch`), jsonargparse documents them from
+    this docstring, and the hyperparameters saved here hold the shared options and the subclass's own.
+    """
 
     def __init__(
         self,
@@ -68,9 +74,29 @@ class Objective(L.LightningModule, ABC):
         tokenizer: Any = None,
         optimizer: OptimizerCallable | None = None,
         scheduler: LRSchedulerCallable | None = None,
+        *,
         activation_checkpointing: ActivationCheckpointing = "none",
         compile: bool = False,
     ):
+        """
+        Args:
+            arch: Shape of a freshly initialised model (ignored when init_from is set).
+            init_from: Start from these weights: a Hugging Face directory or an astrai-pl .ckpt (e.g. the
+                previous stage's last.ckpt). DPO's reference policy, and GRPO's when kl_coef > 0, is a frozen
+                copy of them.
+            tokenizer: Set from the data module; used by export callbacks and sample generation, and by GRPO
+                to decode completions for the reward functions.
+            optimizer: Optimizer class and arguments (default AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1);
+                its weight decay applies to matrices and embeddings, never to norms and biases. DPO usually
+                wants a far smaller lr, e.g. 5e-7 to 5e-6 on large models.
+            scheduler: Learning-rate schedule stepped per optimizer step (e.g. WarmupCosine).
+            activation_checkpointing: Recompute activations in the backward pass instead of keeping them:
+                "none", "full" (each whole block) or "selective" (keep matmul and attention outputs,
+                recompute the pointwise ops between them). Less memory for more compute. GRPO's rollouts
+                run without gradients and are unaffected.
+            compile: torch.compile each block (the first steps are slower while it compiles); GRPO's
+                rollouts run the same compiled blocks.
+        """
         super().__init__()
         check_activation_checkpointing(activation_checkpointing)
         self.activation_checkpointing, self.compile_blocks = activation_checkpointing, compile
@@ -79,6 +105,8 @@ class Objective(L.LightningModule, ABC):
         self.tokenizer = tokenizer
         self.optimizer_fn, self.scheduler_fn = optimizer, scheduler
         self.val_loss = MeanMetric()
+        # Lightning reads the arguments of every __init__ on the stack: these and the subclass's own.
+        self.save_hyperparameters(ignore=["tokenizer", "optimizer", "scheduler"])
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The model shape travels as a plain dict, so checkpoints load with weights_only=True; it is the

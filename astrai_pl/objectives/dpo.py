@@ -21,38 +21,18 @@ import math
 from typing import Any
 
 import torch
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from ..checkpoint import CheckpointError
-from ..model import ModelConfig
 from ..model.config import ConfigError
-from ..parallel import ActivationCheckpointing
 from .base import Objective, frozen_copy
 from .logprobs import IGNORE_INDEX, sequence_logprobs, token_logprobs
-from .losses import DPO_LOSS_TYPES, dpo_loss
+from .losses import dpo_loss
+from .options import check_dpo_options
 
 SIDES = ("chosen", "rejected")
 TABLE_OF_STAGE = {"train": "train", "val": "val", "test": "val"}  # which precomputed table a stage reads
-
-
-def check_dpo_options(beta: float, loss_type: str, label_smoothing: float, rpo_alpha: float | None) -> None:
-    """ConfigError naming the field, the value and the fix, for options `dpo_loss` cannot take."""
-    if not beta > 0:
-        raise ConfigError(f"DPO.beta={beta}: must be > 0 (the inverse temperature of the implicit reward; "
-                          "smaller keeps the policy nearer the reference); TRL's default is 0.1")
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ConfigError(f"DPO.loss_type={loss_type!r}: unknown; use one of {', '.join(DPO_LOSS_TYPES)}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ConfigError(f"DPO.label_smoothing={label_smoothing}: must lie in [0, 0.5) (the probability "
-                          "that a pair's labels are flipped)")
-    if label_smoothing and loss_type in ("ipo", "hinge"):
-        raise ConfigError(f"DPO.label_smoothing={label_smoothing} with loss_type={loss_type!r}: only "
-                          "'sigmoid' and 'robust' use it; set it to 0.0")
-    if rpo_alpha is not None and not rpo_alpha >= 0:
-        raise ConfigError(f"DPO.rpo_alpha={rpo_alpha}: must be >= 0 (the weight of the chosen responses' "
-                          "negative log-likelihood), or null for none")
 
 
 def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,28 +85,16 @@ class DPO(Objective):
 
     def __init__(
         self,
-        arch: ModelConfig | None = None,
-        init_from: str | None = None,
-        tokenizer: Any = None,
-        optimizer: OptimizerCallable | None = None,
-        scheduler: LRSchedulerCallable | None = None,
+        *args: Any,
         beta: float = 0.1,
         loss_type: str = "sigmoid",
         label_smoothing: float = 0.0,
         precompute_ref_log_probs: bool = False,
         rpo_alpha: float | None = None,
-        activation_checkpointing: ActivationCheckpointing = "none",
-        compile: bool = False,
+        **kwargs: Any,
     ):
         """
         Args:
-            arch: Shape of a freshly initialised model (ignored when init_from is set).
-            init_from: Start from these weights: the SFT run's last.ckpt (any of our checkpoints) or a
-                Hugging Face directory. The reference policy is a frozen copy of them.
-            tokenizer: Set from the data module; used by export callbacks and sample generation.
-            optimizer: Optimizer class and arguments (default AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1;
-                DPO usually wants a far smaller lr, e.g. 5e-7 to 5e-6 on large models).
-            scheduler: Learning-rate schedule stepped per optimizer step (e.g. WarmupCosine).
             beta: β, the inverse temperature of the implicit reward β·log(π/π_ref): larger trusts the pairs
                 more, smaller keeps the policy nearer the reference (TRL default 0.1).
             loss_type: 'sigmoid' (DPO), 'robust' (rDPO), 'ipo' (IPO, on mean token log-probabilities) or
@@ -138,14 +106,11 @@ class DPO(Objective):
                 live frozen copy. Needs a data module with `indexed_loaders()` (DPOData).
             rpo_alpha: α of RPO (Pang et al., 2024): add α · the chosen responses' token-mean negative
                 log-likelihood to the loss, which keeps the chosen likelihood from falling; null = plain DPO.
-            activation_checkpointing: "none", "full" or "selective" recomputation in the backward pass.
-            compile: torch.compile each block of the policy.
         """
         check_dpo_options(beta, loss_type, label_smoothing, rpo_alpha)
-        super().__init__(arch, init_from, tokenizer, optimizer, scheduler, activation_checkpointing, compile)
+        super().__init__(*args, **kwargs)  # the options of every objective: arch, init_from, … (Objective)
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
         self.rpo_alpha = rpo_alpha
-        self.save_hyperparameters(ignore=["tokenizer", "optimizer", "scheduler"])
         reference = None if precompute_ref_log_probs else frozen_copy(self.model)
         # In __dict__, not a submodule: outside state_dict(), parameters(), the optimizer and checkpoints.
         self.__dict__["reference"] = reference

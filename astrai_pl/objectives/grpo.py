@@ -8,24 +8,17 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..inference import Engine, SamplingParams
-from ..model import ModelConfig
-from ..parallel import ActivationCheckpointing
 from .base import Objective, frozen_copy
 from .logprobs import token_logprobs
-from .losses import ADVANTAGE_SCALES, GRPO_LOSS_TYPES, group_advantages, grpo_loss
+from .losses import group_advantages, grpo_loss
+from .options import check_advantage_options, check_grpo_loss_options, require
 from .rewards import RewardSpec, load_reward_funcs, reward_metrics, score, spec_name
 from .rollout import Rollout, completion_metrics, micro_batches, pool_tokens, reward_inputs, sample
 
 DEFAULT_REWARDS = ("astrai_pl.objectives.rewards.exact_match_reward",)
-
-
-def _require(ok: bool, field: str, value: Any, why: str) -> None:
-    if not ok:
-        raise ValueError(f"GRPO.{field}={value!r}: {why}")
 
 
 class GRPO(Objective):
@@ -45,11 +38,7 @@ class GRPO(Objective):
 
     def __init__(
         self,
-        arch: ModelConfig | None = None,
-        init_from: str | None = None,
-        tokenizer: Any = None,
-        optimizer: OptimizerCallable | None = None,
-        scheduler: LRSchedulerCallable | None = None,
+        *args: Any,
         reward_funcs: list[RewardSpec] | None = None,
         reward_weights: list[float] | None = None,
         group_size: int = 4,
@@ -66,17 +55,10 @@ class GRPO(Objective):
         zero_std_patience: int = 3,
         engine_page_size: int = 16,
         engine_max_total_tokens: int | None = None,
-        activation_checkpointing: ActivationCheckpointing = "none",
-        compile: bool = False,
+        **kwargs: Any,
     ):
         """
         Args:
-            arch: Shape of a freshly initialised model (ignored when init_from is set).
-            init_from: Start from these weights: a Hugging Face directory or an astrai-pl .ckpt
-                (e.g. the DPO or SFT run's last.ckpt). It is also the reference policy when kl_coef > 0.
-            tokenizer: Set from the data module; decodes completions for the reward functions.
-            optimizer: Optimizer class and arguments (default AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1).
-            scheduler: Learning-rate schedule stepped per optimizer step.
             reward_funcs: Import paths of reward functions `f(prompts, completions, **columns) -> list[float | None]`
                 (TRL's signature), or `{path: …, kwargs: {…}}`; see astrai_pl/objectives/rewards.py.
             reward_weights: One weight per reward function; None = all 1.0.
@@ -98,29 +80,21 @@ class GRPO(Objective):
                 (frac_reward_zero_std = 1: all advantages are 0 and nothing is learned).
             engine_page_size: Tokens per KV page of the rollout engine.
             engine_max_total_tokens: KV pool of the rollout engine in tokens; None = room for a whole rollout batch.
-            activation_checkpointing: "none", "full" or "selective" recomputation in the backward pass of the
-                training forward (rollouts run without gradients and are unaffected).
-            compile: torch.compile each block of the policy (rollouts run the same compiled blocks).
         """
-        _require(group_size >= 2, "group_size", group_size, "must be >= 2: advantages compare a completion "
-                 "with its siblings; use the seed's 4")
-        _require(max_completion_length >= 1, "max_completion_length", max_completion_length, "must be >= 1")
-        _require(temperature > 0, "temperature", temperature, "must be > 0: GRPO needs sampled, varied "
-                 "completions; use 1.0")
-        _require(0 < top_p <= 1, "top_p", top_p, "must lie in (0, 1]; use 1.0 to sample from the full distribution")
-        _require(top_k >= 0, "top_k", top_k, "must be >= 0; use 0 for no top-k")
-        _require(num_iterations >= 1, "num_iterations", num_iterations, "must be >= 1")
-        _require(clip_eps > 0, "clip_eps", clip_eps, "must be > 0; the seed's is 0.2")
-        _require(kl_coef >= 0, "kl_coef", kl_coef, "must be >= 0; 0 drops the reference model")
-        _require(loss_type in GRPO_LOSS_TYPES, "loss_type", loss_type, f"use one of {GRPO_LOSS_TYPES}")
-        _require(scale_rewards in ADVANTAGE_SCALES, "scale_rewards", scale_rewards, f"use one of {ADVANTAGE_SCALES}")
-        _require(zero_std_patience >= 1, "zero_std_patience", zero_std_patience, "must be >= 1")
-        _require(engine_page_size >= 1, "engine_page_size", engine_page_size, "must be >= 1")
+        check_advantage_options(group_size, scale_rewards)
+        require(max_completion_length >= 1, "GRPO.max_completion_length", max_completion_length, "must be >= 1")
+        require(temperature > 0, "GRPO.temperature", temperature, "must be > 0: GRPO needs sampled, varied "
+                "completions; use 1.0")
+        require(0 < top_p <= 1, "GRPO.top_p", top_p, "must lie in (0, 1]; use 1.0 to sample from the full distribution")
+        require(top_k >= 0, "GRPO.top_k", top_k, "must be >= 0; use 0 for no top-k")
+        require(num_iterations >= 1, "GRPO.num_iterations", num_iterations, "must be >= 1")
+        check_grpo_loss_options(loss_type, clip_eps, kl_coef)
+        require(zero_std_patience >= 1, "GRPO.zero_std_patience", zero_std_patience, "must be >= 1")
+        require(engine_page_size >= 1, "GRPO.engine_page_size", engine_page_size, "must be >= 1")
         specs: list[RewardSpec | Callable] = list(DEFAULT_REWARDS if reward_funcs is None else reward_funcs)
         # an unknown import path fails here, before any weights are loaded
         self.reward_funcs, self.reward_weights = load_reward_funcs(specs, reward_weights)
-        super().__init__(arch, init_from, tokenizer, optimizer, scheduler, activation_checkpointing, compile)
-        self.save_hyperparameters(ignore=["tokenizer", "optimizer", "scheduler"])
+        super().__init__(*args, **kwargs)  # the options of every objective: arch, init_from, … (Objective)
         self.hparams["reward_funcs"] = [spec_name(s) for s in specs]  # plain values: checkpoints load weights_only
         self.ref_model = frozen_copy(self.model) if kl_coef > 0 else None
         self.rollout: Rollout | None = None

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .logprobs import IGNORE_INDEX, logprobs_from_logits, scored_rows, sequence_logprobs, token_logprobs
+from .options import check_advantage_options, check_dpo_options, check_grpo_loss_options
 
 __all__ = [
     "IGNORE_INDEX", "next_token_labels", "cross_entropy", "linear_cross_entropy", "logprobs_from_logits",
@@ -172,8 +173,6 @@ def linear_cross_entropy(
 
 # -- preference optimisation ------------------------------------------------------------------------
 
-DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge")
-
 
 def dpo_loss(
     policy_chosen_logps: torch.Tensor,  # (B,)
@@ -206,15 +205,7 @@ def dpo_loss(
     `rewards/rejected` = β·(πr − rr), `rewards/margins` (their difference), `rewards/accuracies`
     (fraction of pairs with rewards/chosen > rewards/rejected), `logps/chosen` = πc, `logps/rejected` = πr.
     """
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0 (the inverse temperature of the implicit reward), got {beta}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5) (a label-noise probability), got {label_smoothing}")
-    if label_smoothing and loss_type in ("ipo", "hinge"):
-        raise ValueError(f"label_smoothing applies to loss_type 'sigmoid' or 'robust', not {loss_type!r}; "
-                         "set it to 0.0")
+    check_dpo_options(beta, loss_type, label_smoothing)
     shapes = {t.shape for t in (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)}
     if len(shapes) != 1:
         raise ValueError(f"the four log-probability tensors must share one shape (B,), got {sorted(shapes)}")
@@ -248,9 +239,6 @@ def dpo_loss(
 
 # -- group relative policy optimisation ---------------------------------------------------------------
 
-ADVANTAGE_SCALES = ("group", "batch", "none")
-GRPO_LOSS_TYPES = ("token", "grpo", "dr_grpo")
-
 
 def group_advantages(
     rewards: torch.Tensor,  # (N,), N = number of prompts · group_size, each group consecutive
@@ -272,10 +260,7 @@ def group_advantages(
     because it up-weights prompts that are nearly always right or wrong. A group whose rewards are all
     equal gets advantage 0 under every scale.
     """
-    if scale not in ADVANTAGE_SCALES:
-        raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
-    if group_size < 2:
-        raise ValueError(f"group_size must be >= 2 (a group needs siblings to compare with), got {group_size}")
+    check_advantage_options(group_size, scale)
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, "
                          f"got shape {tuple(rewards.shape)}")
@@ -329,12 +314,7 @@ def grpo_loss(
     ρ > 1 + ε with A > 0 — TRL's "region clipped" count; a ratio outside the band on the side that
     would lower the loss is not counted, because PPO's min keeps its gradient).
     """
-    if loss_type not in GRPO_LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
-    if not clip_eps > 0:
-        raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
-    if kl_coef < 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    check_grpo_loss_options(loss_type, clip_eps, kl_coef)
     if ref_logps is None and kl_coef:
         raise ValueError(f"ref_logps is None but kl_coef={kl_coef}: pass reference log-probs or set kl_coef=0")
     if mask.shape != logps.shape or advantages.shape != logps.shape[:1]:
