@@ -204,7 +204,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if path.is_file():
             verify_archive(path)
         try:
-            return super().load_checkpoint(path, weights_only=True if weights_only is None else weights_only)
+            return super().load_checkpoint(path, weights_only=True)
         except (RuntimeError, ValueError, OSError, EOFError) as err:
             if isinstance(err, CheckpointError) or not _looks_unreadable(err):
                 raise

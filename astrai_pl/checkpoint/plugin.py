@@ -39,13 +39,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """A remote path (http(s)://, s3://, …) always loads with weights_only=True; any failure to read it is a
-        CheckpointError naming it. A local one goes through `read_checkpoint`."""
+        """Every path loads with weights_only=True, whatever the caller asks: a remote one (http(s)://, s3://,
+        …) through `read_remote_checkpoint`, a local one through `read_checkpoint`; a failure is a
+        CheckpointError naming it."""
         if "://" in str(path):
             return read_remote_checkpoint(str(path), map_location or "cpu")
-        return read_checkpoint(
-            path, map_location=map_location or "cpu", weights_only=weights_only is not False
-        )
+        return read_checkpoint(path, map_location=map_location or "cpu")
 
     def remove_checkpoint(self, path) -> None:
         """Delete the checkpoint at `path`; a path that names anything else is left alone, with a warning (the
