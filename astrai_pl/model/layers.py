@@ -103,6 +103,10 @@ class Linear(nn.Linear):
         copy = _joined_copy((self,))
         return F.linear(x, self.weight, self.bias) if copy is None else _through_copy(x, copy, (self,))[0]
 
+    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What an adapter adds to this projection's output (lora.py's LoraLinear); a plain Linear adds nothing."""
+        return None
+
     @staticmethod
     @contextlib.contextmanager
     def input_major(weights: InputMajorWeights | None) -> Iterator[None]:
@@ -127,6 +131,8 @@ def _joined_copy(linears: tuple[Linear, ...]) -> torch.Tensor | None:
     weights = _INPUT_MAJOR.get()
     if weights is None or torch.is_grad_enabled():
         return None
+    if any(type(linear.weight) not in (torch.Tensor, nn.Parameter) for linear in linears):
+        return None  # a quantised (NF4) or distributed weight multiplies as stored
     return weights.get(*(linear.weight for linear in linears))
 
 
@@ -138,7 +144,9 @@ def _through_copy(x: torch.Tensor, copy: torch.Tensor, linears: tuple[Linear, ..
         out = cpu_ops.panel_matmul(x, copy, sum(sizes)).split(sizes, dim=-1)
     else:
         out = (x @ copy).split(sizes, dim=-1)
-    return [o if linear.bias is None else o + linear.bias for o, linear in zip(out, linears)]
+    out = [o if linear.bias is None else o + linear.bias for o, linear in zip(out, linears)]
+    deltas = [linear.delta(x) for linear in linears]  # adapters stay outside the copies: they change every step
+    return [o if d is None else o + d for o, d in zip(out, deltas)]
 
 
 class RMSNorm(nn.Module):

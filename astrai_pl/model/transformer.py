@@ -57,6 +57,7 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(config)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.lora_config = None  # a LoraConfig once adapters are added (lora.py)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -64,8 +65,10 @@ class Transformer(nn.Module):
         std = self.config.initializer_range
         residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
         for name, module in self.named_modules():
+            last = name.rsplit(".", 1)[-1]
+            if last in ("lora_A", "lora_B"):
+                continue  # an adapter keeps its own initialisation (B zero): LoraLinear.reset_parameters
             if isinstance(module, nn.Linear):
-                last = name.rsplit(".", 1)[-1]
                 nn.init.normal_(module.weight, 0.0, residual_std if last in ("o_proj", "down_proj") else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -108,14 +111,27 @@ class Transformer(nn.Module):
 
     # -- Hugging Face round-trip -------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> Transformer:
-        """Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not)."""
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
+                        adapter: str | Path | None = None) -> Transformer:
+        """Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not); with `adapter`, a
+        PEFT LoRA adapter directory on top of it (kept separate: `merge_lora` folds it in)."""
         from .hf import load_pretrained
 
-        return load_pretrained(cls, path, dtype)
+        model = load_pretrained(cls, path, dtype)
+        if adapter is not None:
+            from .adapter_files import load_adapter
+
+            load_adapter(model, adapter)
+        return model
 
     def save_pretrained(self, path: str | Path, tokenizer=None, max_shard_size: int = 2 * 1024**3) -> None:
-        """Write a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads."""
+        """Write a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads; for a model with a
+        LoRA adapter, the adapter alone, as a PEFT directory (merge first, `lora.merge_lora`, for a full model)."""
+        if self.lora_config is not None:
+            from .adapter_files import save_adapter
+
+            save_adapter(self, path, tokenizer=tokenizer)
+            return
         from .hf import save_pretrained
 
         save_pretrained(self, path, tokenizer=tokenizer, max_shard_size=max_shard_size)
