@@ -3,14 +3,16 @@ file or a sharded checkpoint folder, checked against the model they are loaded i
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..model import ModelConfig, Transformer
+from ..model import LoraConfig, ModelConfig, Transformer
 from ..model.hf import CheckpointError, NonFiniteWeightError, export_dir, nonfinite_tensors
+from ..model.lora import apply_lora
 from .archive import interrupted_copy, is_sharded_checkpoint, read_checkpoint
 
 
@@ -34,15 +36,56 @@ def load_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> 
         raise CheckpointError(f"init_from={init_from!r}: no such file or directory; "
                               "pass a Hugging Face model directory or a .ckpt written by astrai-pl fit")
     ckpt = read_checkpoint(path)  # verified, weights_only; a sharded FSDP2 folder is gathered here
-    model = Transformer(checkpoint_arch(path, ckpt, arch))
     state = {k.removeprefix("model."): v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("model.")}
-    check_weights_fit(path, model, state)
+    adapter_only = "lora_base" in ckpt  # a LoRA run from init_from: its base is read from there
+    if adapter_only:
+        model = adapted_base(path, ckpt, arch)
+    else:
+        model = Transformer(checkpoint_arch(path, ckpt, arch))
+        lora = (ckpt.get("hyper_parameters") or {}).get("lora")
+        if isinstance(lora, dict):  # a LoRA run on a fresh model: the checkpoint holds base and adapter
+            apply_lora(model, LoraConfig(**lora))
+    check_weights_fit(path, model, state, base_frozen=adapter_only)
     bad = nonfinite_tensors((f"model.{k}", v) for k, v in state.items())
     if bad:
         raise NonFiniteWeightError(
             f"{path}: weight(s) {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''} hold NaN or infinite "
             "values. Fix: the file is damaged or was saved after training diverged; use an earlier checkpoint.")
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=not adapter_only)
+    return model
+
+
+def weights_fingerprint(model: nn.Module, samples: int = 65_536) -> float:
+    """Σ_i (i + 1) · Σ |sample of tensor i|, in float64: a number that moves when the weights are others (an
+    NF4 weight is sampled in its packed bytes)."""
+    total = 0.0
+    for i, p in enumerate(model.parameters()):
+        flat = getattr(p, "quantized_data", p).detach().reshape(-1)
+        total += (i + 1) * float(flat[:: max(1, flat.numel() // samples)].double().abs().sum())
+    return total
+
+
+def adapted_base(path: Path, ckpt: dict[str, Any], arch: ModelConfig | dict | None) -> Transformer:
+    """The base of a LoRA run's checkpoint, read again from the init_from it records, with the run's adapter
+    added (its weights still to load): the checkpoint itself holds only the adapter."""
+    base = ckpt["lora_base"]
+    hparams = ckpt.get("hyper_parameters") or {}
+    if not isinstance(base, dict) or not base.get("init_from") or not isinstance(hparams.get("lora"), dict):
+        raise CheckpointError(f"{path}: a LoRA checkpoint without the base it was trained on (lora_base.init_from) "
+                              "or its adapter settings (hyper_parameters.lora). Fix: use a checkpoint that "
+                              "astrai-pl fit wrote for a LoRA run.")
+    if Path(base["init_from"]).resolve() == path.resolve():
+        raise CheckpointError(f"{path}: names itself as its base. Fix: re-save it from the run that wrote it.")
+    try:
+        model = load_transformer(arch, base["init_from"])
+    except CheckpointError as err:
+        raise CheckpointError(f"{path}: holds a LoRA adapter whose base is read from init_from="
+                              f"{base['init_from']!r}, which failed: {err}") from err
+    saved = base.get("fingerprint")
+    if saved is not None and not math.isclose(saved, weights_fingerprint(model), rel_tol=1e-9):
+        raise CheckpointError(f"{path}: the base weights at init_from={base['init_from']!r} are not those the "
+                              "adapter was trained on (their fingerprint differs). Fix: restore that base model.")
+    apply_lora(model, LoraConfig(**hparams["lora"]))
     return model
 
 
@@ -63,9 +106,14 @@ def checkpoint_arch(path: Path, ckpt: dict[str, Any], arch: ModelConfig | dict |
                               "with ModelConfig(...).to_dict(), or use another checkpoint.") from err
 
 
-def check_weights_fit(path: Path, model: nn.Module, state: dict[str, Any]) -> None:
-    """CheckpointError naming the first weight of `state` that is missing, extra or shaped unlike `model`'s."""
+def check_weights_fit(path: Path, model: nn.Module, state: dict[str, Any], base_frozen: bool = False) -> None:
+    """CheckpointError naming the first weight of `state` that is missing, extra or shaped unlike `model`'s
+    (`base_frozen`: a LoRA checkpoint, which holds only the adapter's weights)."""
     own = model.state_dict()
+    if base_frozen:
+        from ..model.lora import adapter_state
+
+        own = {k: v for k, v in own.items() if k in adapter_state(model)}
     missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     wrong = [k for k in own.keys() & state.keys()
              if not isinstance(state[k], torch.Tensor) or state[k].shape != own[k].shape]

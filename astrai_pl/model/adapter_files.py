@@ -58,7 +58,7 @@ def adapter_config_json(model: nn.Module, base_model_name_or_path: str | None = 
     names (as PEFT writes them for all-linear), so PEFT adapts exactly the modules adapted here."""
     lora: LoraConfig = model.lora_config
     cfg: ModelConfig = model.config
-    extra = {k: v for k, v in lora.extra.items() if k not in _OURS}
+    extra = model.__dict__.get("adapter_extra", {})  # what the PEFT file it was read from said besides
     return {
         **extra,
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "inference_mode": True,
@@ -100,9 +100,9 @@ def save_adapter(model: nn.Module, path: str | Path, tokenizer: Any = None,
         raise
 
 
-def read_adapter_config(path: str | Path) -> LoraConfig:
-    """The LoraConfig of a PEFT adapter directory; CheckpointError naming the file and the field when the
-    adapter is not one this model can compute exactly."""
+def read_adapter_config(path: str | Path) -> tuple[LoraConfig, dict[str, Any]]:
+    """The LoraConfig of a PEFT adapter directory and its other fields; CheckpointError naming the file and the
+    field when the adapter is not one this model can compute exactly."""
     file = Path(path) / ADAPTER_CONFIG
     if not Path(path).is_dir():
         raise CheckpointNotFoundError(f"adapter {path}: not a directory. Fix: pass the folder that holds "
@@ -118,20 +118,21 @@ def read_adapter_config(path: str | Path) -> LoraConfig:
                                   f"computes). Fix: use an adapter with {name}={neutral!r}, or merge it with "
                                   "PEFT's merge_and_unload and load the merged model.")
     try:
-        return LoraConfig(**{k: raw[k] for k in _OURS if k in raw},
-                          extra={k: v for k, v in raw.items() if k not in _OURS})
+        lora = LoraConfig(**{k: raw[k] for k in _OURS if k in raw})
     except Exception as err:  # ConfigError names the field; say which file it came from
         raise CheckpointError(f"{file}: {err}") from None
+    return lora, {k: v for k, v in raw.items() if k not in _OURS and k not in _NEUTRAL}
 
 
 def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     """Add the adapter in PEFT directory `path` to `model` (in place) with its weights; returns `model`."""
-    lora = read_adapter_config(path)
+    lora, extra = read_adapter_config(path)
     file = Path(path) / ADAPTER_WEIGHTS
     if not file.is_file():
         raise CheckpointNotFoundError(f"{file} does not exist. Fix: pass a PEFT adapter directory (it holds "
                                       f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}; .bin adapters are not read).")
     apply_lora(model, lora)
+    model.__dict__["adapter_extra"] = extra
     own = adapter_state(model)
     by_peft = {_peft_key(k, model.config.model_type): k for k in own}
     state: dict[str, torch.Tensor] = {}

@@ -29,7 +29,7 @@ import contextlib
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -63,8 +63,6 @@ class LoraConfig:
     """Whole modules trained besides the adapters (e.g. ["lm_head"]), saved in full in the adapter."""
     bias: str = "none"
     """Which biases train: only "none" (PEFT's default) is supported."""
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
-    """PEFT fields carried over unchanged when an adapter directory is read (base_model_name_or_path, …)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 import numbers
 from abc import ABC, abstractmethod
 from typing import Any
@@ -10,11 +12,14 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics import MeanMetric
 
-from ..checkpoint import load_transformer
-from ..model import ConfigError, ModelConfig
+from ..checkpoint import CheckpointError, load_transformer
+from ..checkpoint.loading import weights_fingerprint
+from ..model import ConfigError, LoraConfig, ModelConfig
+from ..model.lora import adapter_state, adapters_disabled, apply_lora, merge_lora, trainable_summary
 from ..parallel import ActivationCheckpointing, check_activation_checkpointing, configure_model, is_dtensor
 from .losses import IGNORE_INDEX, cross_entropy, linear_cross_entropy, next_token_labels
 
@@ -48,6 +53,17 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return frozen
 
 
+def reference_scope(model: nn.Module):
+    """Where `model` computes as its base: every LoRA adapter switched off (DPO's and GRPO's reference policy
+    when training an adapter: no copy of the model is kept). A no-op for a model without adapters."""
+    return adapters_disabled(model) if getattr(model, "lora_config", None) is not None else contextlib.nullcontext()
+
+
+def as_lora(lora: LoraConfig | dict | None) -> LoraConfig | None:
+    """A LoraConfig from itself or from its dict form (as checkpoints store it)."""
+    return LoraConfig(**lora) if isinstance(lora, dict) else lora
+
+
 def param_groups(model: nn.Module) -> list[dict[str, Any]]:
     """Two optimizer groups: matrices and embeddings take the optimizer's weight decay; norms and biases
     (1-D tensors) take none."""
@@ -77,6 +93,7 @@ class Objective(L.LightningModule, ABC):
         *,
         activation_checkpointing: ActivationCheckpointing = "none",
         compile: bool = False,
+        lora: LoraConfig | None = None,
     ):
         """
         Args:
@@ -96,12 +113,23 @@ class Objective(L.LightningModule, ABC):
                 run without gradients and are unaffected.
             compile: torch.compile each block (the first steps are slower while it compiles); GRPO's
                 rollouts run the same compiled blocks.
+            lora: Train a LoRA adapter (PEFT's LoraConfig fields) instead of every weight: the base is frozen,
+                the optimizer gets the adapter only, checkpoints hold the adapter and its optimizer state (the
+                base is read again from init_from on resume), and DPO's and GRPO's reference is the base with
+                the adapter switched off. See docs/adapters.md.
         """
         super().__init__()
         check_activation_checkpointing(activation_checkpointing)
         self.activation_checkpointing, self.compile_blocks = activation_checkpointing, compile
         self.model = load_transformer(arch, init_from)
+        if self.model.lora_config is not None:  # init_from a LoRA run's checkpoint: its adapter joins the base
+            merge_lora(self.model)
         self.arch = self.model.config
+        self.base_fingerprint = None
+        if lora is not None:
+            self.base_fingerprint = weights_fingerprint(self.model)
+            apply_lora(self.model, as_lora(lora))
+            self.strict_loading = False  # checkpoints hold the adapter only; on_load_checkpoint checks it
         self.tokenizer = tokenizer
         self.optimizer_fn, self.scheduler_fn = optimizer, scheduler
         self.val_loss = MeanMetric()
@@ -111,7 +139,46 @@ class Objective(L.LightningModule, ABC):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The model shape travels as a plain dict, so checkpoints load with weights_only=True; it is the
         # shape of the model actually trained, also when it came from init_from (arch None).
-        checkpoint.setdefault("hyper_parameters", {})["arch"] = self.arch.to_dict()
+        hparams = checkpoint.setdefault("hyper_parameters", {})
+        hparams["arch"] = self.arch.to_dict()
+        if self.model.lora_config is not None:
+            hparams["lora"] = self.model.lora_config.to_dict()
+            self._keep_adapter_only(checkpoint)
+
+    # -- LoRA checkpoints: the adapter and its optimizer state; the frozen base is read from init_from -------
+    def _adapter_keys(self) -> set[str]:
+        return {f"model.{k}" for k in adapter_state(self.model)}
+
+    def _keep_adapter_only(self, checkpoint: dict[str, Any]) -> None:
+        """Drop the frozen base from the checkpoint when init_from holds it; a fresh model's base, which nothing
+        else holds, stays."""
+        if not self.hparams.get("init_from"):
+            return
+        keep = self._adapter_keys()
+        state = checkpoint.get("state_dict", {})
+        checkpoint["state_dict"] = {k: v for k, v in state.items() if k in keep or not k.startswith("model.")}
+        checkpoint["lora_base"] = {"init_from": self.hparams.get("init_from"), "fingerprint": self.base_fingerprint}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A LoRA run resumes from a checkpoint of the same adapter on the same base: both are checked here,
+        since the state dict is loaded non-strictly (it holds no base weights)."""
+        if self.model.lora_config is None:
+            return
+        state = checkpoint.get("state_dict", {})
+        missing = sorted(self._adapter_keys() - state.keys())
+        if missing:
+            raise CheckpointError(f"this checkpoint lacks {len(missing)} weight(s) of the LoRA adapter configured "
+                                  f"in model.init_args.lora (e.g. {missing[0]}). Fix: resume with the lora "
+                                  "settings it was trained with, or start a new run from it with init_from")
+        saved = checkpoint.get("lora_base", {}).get("fingerprint")
+        if saved is not None and not math.isclose(saved, self.base_fingerprint, rel_tol=1e-9):
+            raise CheckpointError(f"the base weights in model.init_args.init_from={self.hparams.get('init_from')!r} "
+                                  "are not those this LoRA checkpoint was trained on (their fingerprint differs). "
+                                  "Fix: point init_from at the same base model")
+
+    def on_fit_start(self) -> None:
+        if self.model.lora_config is not None:
+            rank_zero_info(f"LoRA: {trainable_summary(self.model)}")
 
     # -- before step 1: what this model cannot train on is refused -----------------------------------------
     def setup(self, stage: str) -> None:

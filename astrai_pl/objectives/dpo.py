@@ -25,8 +25,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from ..checkpoint import CheckpointError
+from ..checkpoint.loading import weights_fingerprint
 from ..model.config import ConfigError
-from .base import Objective, frozen_copy
+from .base import Objective, frozen_copy, reference_scope
 from .logprobs import IGNORE_INDEX, sequence_logprobs, token_logprobs
 from .losses import dpo_loss
 from .options import check_dpo_options
@@ -62,15 +63,6 @@ def reference_table(model: nn.Module, loader: Any, device: torch.device) -> torc
         model.train(was_training)
     assert not table.isnan().any(), "the loader did not cover every row index"
     return table
-
-
-def weights_fingerprint(model: nn.Module, samples: int = 65_536) -> float:
-    """Σ_i (i + 1) · Σ |sample of tensor i|, in float64: a number that moves when the weights are others."""
-    total = 0.0
-    for i, p in enumerate(model.parameters()):
-        flat = p.detach().reshape(-1)
-        total += (i + 1) * float(flat[:: max(1, flat.numel() // samples)].double().abs().sum())
-    return total
 
 
 class DPO(Objective):
@@ -111,7 +103,9 @@ class DPO(Objective):
         super().__init__(*args, **kwargs)  # the options of every objective: arch, init_from, … (Objective)
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
         self.rpo_alpha = rpo_alpha
-        reference = None if precompute_ref_log_probs else frozen_copy(self.model)
+        # With LoRA the base, adapter switched off, is the reference (base.reference_scope): no copy is kept.
+        live = not precompute_ref_log_probs and self.model.lora_config is None
+        reference = frozen_copy(self.model) if live else None
         # In __dict__, not a submodule: outside state_dict(), parameters(), the optimizer and checkpoints.
         self.__dict__["reference"] = reference
         self.reference_fingerprint = None if reference is None else weights_fingerprint(reference)
@@ -123,6 +117,9 @@ class DPO(Objective):
             self._place_reference()
             with torch.no_grad():
                 return pair_logps(self.reference, batch)
+        if self.model.lora_config is not None and not self.hparams.precompute_ref_log_probs:
+            with torch.no_grad(), reference_scope(self.model):
+                return pair_logps(self.model, batch)
         if self.reference_logps is None or "row_index" not in batch:
             raise ConfigError("DPO.precompute_ref_log_probs=True needs its table filled before the first "
                               "step and batches with 'row_index': pass DPOData as the datamodule of fit, "
@@ -138,20 +135,21 @@ class DPO(Objective):
             self.reference.to(device=policy.device, dtype=policy.dtype)
 
     def _precompute(self) -> None:
-        if self.reference is not None or self.reference_logps is not None:
+        if not self.hparams.precompute_ref_log_probs or self.reference_logps is not None:
             return
         datamodule = self.trainer.datamodule
         if not hasattr(datamodule, "indexed_loaders"):
             raise ConfigError("DPO.precompute_ref_log_probs=True needs a data module with indexed_loaders() "
                               f"(DPOData), got {type(datamodule).__name__}; pass datamodule=DPOData(…) or "
                               "set precompute_ref_log_probs to false")
-        with self.trainer.precision_plugin.forward_context():
+        with self.trainer.precision_plugin.forward_context(), reference_scope(self.model):
             self.reference_logps = {split: reference_table(self.model, loader, self.device)
                                     for split, loader in datamodule.indexed_loaders().items()}
         sizes = ", ".join(f"{len(t)} {split}" for split, t in self.reference_logps.items())
         rank_zero_info(f"DPO: reference log-probabilities precomputed for {sizes} pairs")
 
     def on_fit_start(self) -> None:
+        super().on_fit_start()
         self._precompute()
 
     def on_validation_start(self) -> None:
@@ -169,7 +167,8 @@ class DPO(Objective):
             checkpoint["reference_fingerprint"] = self.reference_fingerprint
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.reference is None:
+        super().on_load_checkpoint(checkpoint)  # a LoRA run's adapter and base (the base is its reference)
+        if self.hparams.precompute_ref_log_probs:
             if "reference_logps" not in checkpoint:
                 raise CheckpointError("this checkpoint holds no precomputed reference log-probabilities (it "
                                       "was trained with a live reference); resume it with "
@@ -177,7 +176,7 @@ class DPO(Objective):
             self.reference_logps = checkpoint["reference_logps"]
             return
         saved = checkpoint.get("reference_fingerprint")
-        if saved is not None and not math.isclose(saved, self.reference_fingerprint, rel_tol=1e-9):
+        if saved is not None and self.reference_fingerprint is not None and not math.isclose(saved, self.reference_fingerprint, rel_tol=1e-9):
             raise CheckpointError(
                 f"the reference rebuilt from init_from={self.hparams.init_from!r} is not the one this run "
                 f"trained against (weights fingerprint {self.reference_fingerprint:.9g}, saved {saved:.9g}); "

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..inference import Engine, SamplingParams
-from .base import Objective, frozen_copy
+from .base import Objective, frozen_copy, reference_scope
 from .logprobs import token_logprobs
 from .losses import group_advantages, grpo_loss
 from .options import check_advantage_options, check_grpo_loss_options, require
@@ -96,7 +96,8 @@ class GRPO(Objective):
         self.reward_funcs, self.reward_weights = load_reward_funcs(specs, reward_weights)
         super().__init__(*args, **kwargs)  # the options of every objective: arch, init_from, … (Objective)
         self.hparams["reward_funcs"] = [spec_name(s) for s in specs]  # plain values: checkpoints load weights_only
-        self.ref_model = frozen_copy(self.model) if kl_coef > 0 else None
+        # With LoRA the base, adapter switched off, is the KL reference (base.reference_scope): no copy.
+        self.ref_model = frozen_copy(self.model) if kl_coef > 0 and self.model.lora_config is None else None
         self.rollout: Rollout | None = None
         self.reward_history: list[float] = []  # mean reward of every rollout so far
         self._engine: Engine | None = None
@@ -161,6 +162,9 @@ class GRPO(Objective):
         for part in parts:  # both fixed for the whole rollout: scored once, not once per iteration
             if self.ref_model is not None:
                 part["ref_logps"] = self._logps(self.ref_model, part)
+            elif hp.kl_coef > 0:  # a LoRA run: its base is the reference
+                with reference_scope(self.model):
+                    part["ref_logps"] = self._logps(self.model, part)
             if hp.num_iterations > 1:
                 part["old_logps"] = self._logps(self.model, part)
         metrics = {**reward_metrics([n for n, _ in self.reward_funcs], per_func, total, hp.group_size),
