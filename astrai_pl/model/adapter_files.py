@@ -111,6 +111,12 @@ def read_adapter_config(path: str | Path) -> tuple[LoraConfig, dict[str, Any]]:
     if raw.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{file}: peft_type={raw.get('peft_type')!r}; only LoRA adapters (peft_type LORA) "
                               "are supported. Fix: train a LoRA adapter, or merge this one with PEFT first.")
+    if raw.get("target_parameters"):
+        raise CheckpointError(f"{file}: target_parameters={raw['target_parameters']!r}: this adapter adapts "
+                              "parameters that are not linear layers (PEFT does so for the fused experts of MoE "
+                              "models), which is not supported here. Fix: train the adapter with target_modules "
+                              "naming linear layers (e.g. the attention projections), or merge it with PEFT's "
+                              "merge_and_unload and load the merged model.")
     for name, neutral in _NEUTRAL.items():
         value = raw.get(name, neutral)
         if value != neutral and not (neutral in ({}, None) and not value):
