@@ -4,8 +4,8 @@
     python -m astrai_pl.config_reference --check    # exit 1 when the file is out of date (a test does this)
 
 One section per class, one row per argument: its name, type, default and documentation. Dataclasses
-(ModelConfig, WandbConfig, Arithmetic, Section) document each field in the docstring under it; every other
-class in the `Args:` section of its `__init__` (or class) docstring — the same text `--help` and
+(ModelConfig, LoraConfig, WandbConfig, Arithmetic, Section) document each field in the docstring under it;
+every other class in the `Args:` section of its `__init__` (or class) docstring — the same text `--help` and
 `--print_config=comments` show.
 """
 
@@ -39,7 +39,7 @@ from .callbacks.safety import SafetyConfig
 from .data import DPOData, GRPOData, PretrainData, SFTData
 from .data.preprocess import Section
 from .data.sources import Arithmetic
-from .model import ModelConfig
+from .model import LoraConfig, ModelConfig
 from .objectives import DPO, GRPO, SFT, Pretrain
 from .objectives.schedules import WarmupCosine, WarmupStableDecay
 from .strategy import FSDP2Strategy
@@ -52,6 +52,7 @@ GROUPS: list[tuple[str, str, list[type]]] = [
     ("Run protections", "`safety:` (top level)", [SafetyConfig]),
     ("Objectives", "`model.class_path` and `model.init_args`", [Pretrain, SFT, DPO, GRPO]),
     ("Model shape", "`model.init_args.arch`", [ModelConfig]),
+    ("LoRA adapter", "`model.init_args.lora`", [LoraConfig]),
     ("Learning-rate schedules", "`model.init_args.scheduler`", [WarmupCosine, WarmupStableDecay]),
     ("Data modules", "`data.class_path` and `data.init_args`", [PretrainData, SFTData, DPOData, GRPOData]),
     ("Data parts", "`data.init_args.sections` and `data.init_args.synthetic`", [Section, Arithmetic]),
