@@ -5,14 +5,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_hf import our_model
 
 from astrai_pl.model import ConfigError, LoraConfig, Transformer, adapters_disabled, merge_lora
 from astrai_pl.model.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter
 from astrai_pl.model.hf import CheckpointError
 from astrai_pl.model.hf_keys import export_tensors
 from astrai_pl.model.lora import LoraLinear, apply_lora, lora_modules, trainable_summary
-
-from test_hf import our_model
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
