@@ -50,8 +50,13 @@ class SessionError(InferenceError, ValueError):
 
 
 def model_fingerprint(model) -> str:
-    """BLAKE2b over the config and every tensor of the state dict: its name, shape, dtype and every byte."""
-    config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
+    """BLAKE2b over the config, the LoRA adapter's settings (its scaling is no tensor) and every tensor of the
+    state dict: its name, shape, dtype and every byte."""
+    described = model.config.to_dict()
+    lora = getattr(model, "lora_config", None)
+    if lora is not None:
+        described = {**described, "lora": lora.to_dict()}
+    config = json.dumps(described, sort_keys=True, default=str)
     digest = hashlib.blake2b(config.encode(), digest_size=32)
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(f"\0{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())

@@ -101,7 +101,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         copy = _joined_copy((self,))
-        return F.linear(x, self.weight, self.bias) if copy is None else _through_copy(x, copy, (self,))[0]
+        if copy is not None:
+            return _through_copy(x, copy, (self,))[0]
+        out, delta = F.linear(x, self.weight, self.bias), self.delta(x)
+        return out if delta is None else out + delta
 
     def delta(self, x: torch.Tensor) -> torch.Tensor | None:
         """What an adapter adds to this projection's output (lora.py's LoraLinear); a plain Linear adds nothing."""
@@ -140,13 +143,17 @@ def _through_copy(x: torch.Tensor, copy: torch.Tensor, linears: tuple[Linear, ..
     sizes = [linear.out_features for linear in linears]
     if copy.dim() == 3:  # panels for the CPU kernel: a few rows; a prefill's many go to the weights as stored
         if x.numel() > cpu_ops.PANEL_MAX_ROWS * x.shape[-1] or not cpu_ops.panel_matmul_usable(x):
-            return [F.linear(x, linear.weight, linear.bias) for linear in linears]
-        out = cpu_ops.panel_matmul(x, copy, sum(sizes)).split(sizes, dim=-1)
+            out = [F.linear(x, linear.weight, linear.bias) for linear in linears]
+        else:
+            out = _with_bias(cpu_ops.panel_matmul(x, copy, sum(sizes)).split(sizes, dim=-1), linears)
     else:
-        out = (x @ copy).split(sizes, dim=-1)
-    out = [o if linear.bias is None else o + linear.bias for o, linear in zip(out, linears)]
+        out = _with_bias((x @ copy).split(sizes, dim=-1), linears)
     deltas = [linear.delta(x) for linear in linears]  # adapters stay outside the copies: they change every step
     return [o if d is None else o + d for o, d in zip(out, deltas)]
+
+
+def _with_bias(outputs, linears: tuple[Linear, ...]) -> list[torch.Tensor]:
+    return [o if linear.bias is None else o + linear.bias for o, linear in zip(outputs, linears)]
 
 
 class RMSNorm(nn.Module):

@@ -133,10 +133,7 @@ class LoraLinear(Linear):
             return None
         return self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        delta = self.delta(x)
-        return out if delta is None else out + delta
+    # forward is Linear's: it adds `delta` to the base projection, whichever way that is multiplied
 
     def merged_weight(self) -> torch.Tensor:
         """W + s · B·A in the base weight's dtype (computed in float32), dequantised when the base is NF4."""
