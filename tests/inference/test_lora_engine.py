@@ -124,3 +124,44 @@ def test_a_session_saved_before_an_optimizer_step_is_refused_after_it(model, mak
     optimizer_step(adapted_model)
     with pytest.raises(SessionError, match="saved from a different model"):
         engine.load_session(path)
+
+
+def varied_reward(prompts, completions, completion_ids, **kwargs):
+    return [float(sum(ids) % 5) for ids in completion_ids]
+
+
+def test_grpo_rollouts_follow_the_adapter_after_an_optimizer_step():
+    from astrai_pl.data.synthetic import problems
+    from astrai_pl.model import ModelConfig
+    from astrai_pl.objectives import GRPO
+    from astrai_pl.objectives.evaluation import chat_prompts
+    from astrai_pl.objectives.rollout import sample
+    from astrai_pl.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.byte_level()
+    torch.manual_seed(0)
+    module = GRPO(tokenizer=tokenizer, arch=ModelConfig.from_name("debug"), max_completion_length=6, kl_coef=0.05,
+                  reward_funcs=[varied_reward],
+                  lora={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    questions = [p.question for p in problems(3, "train", 0)]
+    batch = {"prompt": [[{"role": "user", "content": q}] for q in questions],
+             "prompt_ids": chat_prompts(questions, tokenizer)}
+    rollout = module.roll_out(batch)  # the engine is built on the live policy and caches the prompts
+    optimizer = torch.optim.AdamW([p for p in module.model.parameters() if p.requires_grad], lr=0.05)
+    loss, _ = module._shared_step({**rollout.micro_batches[0], "first_pass": True}, "train")
+    loss.backward()
+    optimizer.step()
+    assert all(float(m.lora_B.weight.detach().abs().max()) > 0 for _, m in module.model.named_modules() if hasattr(m, "lora_B"))
+
+    ids = batch["prompt_ids"]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+    completions, _ = sample(module.rollout_engine(ids), ids, greedy)
+    module.model.eval()
+    with torch.no_grad():
+        after = [forward_greedy(module.model, p, 8) for p in ids]
+        with adapters_disabled(module.model):
+            before = [forward_greedy(module.model, p, 8)[0] for p in ids]
+    assert [c.token_ids for c in completions] == [tokens for tokens, _ in after]
+    for c, (_, logps) in zip(completions, after):
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(logps), atol=1e-4, rtol=0)
+    assert [tokens for tokens, _ in after] != before  # the step moved the greedy tokens: the adapter shows
