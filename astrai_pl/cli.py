@@ -2,7 +2,9 @@
 
     astrai-pl fit --config configs/pretrain/tiny.yaml [--trainer.max_steps 100 …]
     astrai-pl tokenizer train --input corpus.txt --vocab-size 8000 --output tok/
-    astrai-pl convert --ckpt last.ckpt --output hf_dir/
+    astrai-pl convert --ckpt last.ckpt --output hf_dir/                  (a LoRA run's: its PEFT adapter directory)
+    astrai-pl convert --ckpt last.ckpt --merge-lora --output hf_dir/     (the adapter folded in: a plain HF model)
+    astrai-pl convert --ckpt base_hf_dir/ --adapter adapter_dir/ --merge-lora --output merged_dir/
     astrai-pl generate --model hf_dir/ --prompt "What is 2 + 3?"      (or --input prompts.jsonl --output out.jsonl)
     astrai-pl chat --model hf_dir/
     astrai-pl sweep configs/sweeps/sft-debug.yaml [--count N] [--dry-run]   (a W&B sweep, without a W&B server)
@@ -30,11 +32,12 @@ from .callbacks.tracking import (
     wandb_loggers,
     with_wandb,
 )
-from .checkpoint import CheckpointError, load_transformer
+from .checkpoint import CheckpointError
 from .checkpoint.archive import checkpoint_error_in, prepare_resume_from_last, verify_archive
-from .commands import USER_ERRORS, chat_verb, generate_verb
+from .commands import USER_ERRORS, CommandError, chat_verb, generate_verb, load_adapted
 from .data.rows import DataError
 from .model.config import ConfigError
+from .model.lora import merge_lora
 from .objectives import Objective
 from .sweep import sweep_verb
 from .tokenizer import load_tokenizer
@@ -141,18 +144,32 @@ def _iter_texts(paths: list[str] | None, text_field: str):
 
 
 def _convert_verb(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="astrai-pl convert",
-                                     description="Export one of our checkpoints as a Hugging Face directory.")
+    parser = argparse.ArgumentParser(
+        prog="astrai-pl convert",
+        description="Export one of our checkpoints as a Hugging Face directory; a model with a LoRA adapter as a "
+                    "PEFT adapter directory, or with --merge-lora as a Hugging Face directory with the adapter "
+                    "folded into its weights.")
     parser.add_argument("--ckpt", required=True, help="a .ckpt written by astrai-pl fit, or a Hugging Face dir")
     parser.add_argument("--output", required=True)
     parser.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer directory to write alongside")
+    parser.add_argument("--adapter", default=None,
+                        help="a PEFT LoRA adapter directory (written here or by PEFT) to put on --ckpt")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="fold the adapter into the weights (W + scale·B·A, as PEFT's merge_and_unload) and "
+                             "write a plain Hugging Face model directory instead of the adapter")
     ns = parser.parse_args(argv)
     try:
-        model = load_transformer(None, ns.ckpt)
+        model = load_adapted(ns.ckpt, ns.adapter, option="--ckpt")
+        if ns.merge_lora and model.lora_config is None:
+            raise CommandError(f"--merge-lora: {ns.ckpt} holds no LoRA adapter; pass one with --adapter DIR, or "
+                               "leave --merge-lora out")
+        if ns.merge_lora:
+            merge_lora(model)
+        adapter_only = model.lora_config is not None
         model.save_pretrained(ns.output, tokenizer=load_tokenizer(ns.tokenizer) if ns.tokenizer else None)
     except USER_ERRORS as err:  # the message names the file and the fix
         raise SystemExit(f"astrai-pl convert: {err}") from None
-    print(f"wrote {ns.output}")
+    print(f"wrote {ns.output} ({'a PEFT adapter directory' if adapter_only else 'a Hugging Face model directory'})")
 
 
 VERBS = {"tokenizer": _tokenizer_verb, "convert": _convert_verb, "generate": generate_verb, "chat": chat_verb,

@@ -3,9 +3,11 @@
     astrai-pl generate --model hf_dir/ --prompt "Once upon a time" --max-tokens 64
     astrai-pl generate --model last.ckpt --input prompts.jsonl --output completions.jsonl --temperature 0
     astrai-pl chat --model hf_dir/ --system "You answer in one sentence."
+    astrai-pl chat --model base_hf_dir/ --adapter lora_adapter/
 
-`--model` is a Hugging Face directory, a .ckpt written by `astrai-pl fit` or a sharded FSDP2 checkpoint
-folder. Each input line of `generate` is {"prompt": str} or {"messages": [...]} (rendered with the chat
+`--model` is a Hugging Face directory, a .ckpt written by `astrai-pl fit` (a LoRA run's holds its adapter) or a
+sharded FSDP2 checkpoint folder; `--adapter DIR` puts a PEFT LoRA adapter directory on it. An adapter is merged
+into the weights before serving (they stay fixed here, and merged they cost nothing per token). Each input line of `generate` is {"prompt": str} or {"messages": [...]} (rendered with the chat
 template and its generation prompt); each output line keeps the input's fields and adds "completion",
 "finish_reason" and "token_ids". `chat` keeps the conversation in an engine session, so each turn
 computes only its own tokens, never the history again.
@@ -27,7 +29,10 @@ from .atomic import write_atomically
 from .checkpoint import CheckpointError, is_sharded_checkpoint, load_transformer
 from .inference import CapacityError, Engine, InferenceError, SamplingParams, SamplingParamsError, Session
 from .jsonl import UTF8_FIX, NotUtf8, UnreadableJson, decode_utf8, parse_json
+from .model import Transformer
+from .model.adapter_files import is_adapter_dir, load_adapter
 from .model.config import ConfigError
+from .model.lora import merge_lora
 from .strategy import DTYPES
 from .tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -43,8 +48,12 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", required=True,
                        help="a Hugging Face directory, a .ckpt written by astrai-pl fit, or a sharded checkpoint folder")
+    group.add_argument("--adapter", default=None,
+                       help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors, written "
+                            "here or by PEFT) for the base --model; merged into its weights before serving")
     group.add_argument("--tokenizer", default=None,
-                       help="'byte' or a tokenizer directory (default: the model directory's, else 'byte')")
+                       help="'byte' or a tokenizer directory (default: the adapter's, else the model directory's, "
+                            "else 'byte')")
     group.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     group.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as loaded (float32)")
     group.add_argument("--max-total-tokens", type=int, default=None,
@@ -81,16 +90,41 @@ def generation_eos_ids(model_path: str | Path) -> list[int]:
     return ids
 
 
-def default_tokenizer(model_path: str | Path) -> str:
-    """The model directory when it holds tokenizer.json, else the built-in byte tokenizer."""
-    path = Path(model_path)
-    return str(path) if (path / "tokenizer.json").is_file() else "byte"
+def default_tokenizer(model_path: str | Path, adapter: str | Path | None = None) -> str:
+    """The adapter directory when it holds tokenizer.json (a fine-tune that added tokens ships its own), else
+    the model directory when it does, else the built-in byte tokenizer."""
+    for path in (adapter, model_path):
+        if path is not None and (Path(path) / "tokenizer.json").is_file():
+            return str(path)
+    return "byte"
+
+
+def load_adapted(model_path: str | Path, adapter: str | Path | None, option: str = "--model") -> Transformer:
+    """The model at `model_path` (HF directory or checkpoint) with the PEFT adapter directory `adapter` on it;
+    a LoRA run's checkpoint comes with its own adapter. The adapter is kept apart (`model.lora_config`)."""
+    if is_adapter_dir(model_path):
+        raise CommandError(f"{option} {model_path} is a PEFT adapter directory, not a model; pass its base model "
+                           f"as {option} and this directory as --adapter")
+    model = load_transformer(None, model_path)
+    if adapter is not None:
+        if model.lora_config is not None:
+            raise CommandError(f"{option} {model_path} already holds a LoRA adapter (a LoRA run's checkpoint); "
+                               f"leave --adapter out, or pass the base model as {option}")
+        load_adapter(model, adapter)
+        extra = model.__dict__["adapter_extra"]  # what adapter_config.json says besides; written back on save
+        extra["base_model_name_or_path"] = extra.get("base_model_name_or_path") or str(model_path)
+    return model
 
 
 def load_engine(ns: argparse.Namespace) -> tuple[Engine, Tokenizer, list[int]]:
-    """The engine on `--model`, its tokenizer, and the extra end ids of a Hugging Face directory."""
-    model = load_transformer(None, ns.model).eval()
-    tokenizer = load_tokenizer(ns.tokenizer or default_tokenizer(ns.model))
+    """The engine on `--model` (with `--adapter` merged in), its tokenizer, and the extra end ids of a Hugging
+    Face directory. Served weights stay fixed, so an adapter is merged: the engine then multiplies by one
+    weight per projection, as for any model, instead of adding B·A·x on every token."""
+    model = load_adapted(ns.model, ns.adapter)
+    if model.lora_config is not None:
+        merge_lora(model)
+    model.eval()
+    tokenizer = load_tokenizer(ns.tokenizer or default_tokenizer(ns.model, ns.adapter))
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CommandError(
             f"the tokenizer has {tokenizer.vocab_size} ids but {ns.model} only {model.config.vocab_size}; "
