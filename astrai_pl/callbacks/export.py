@@ -14,6 +14,7 @@ import lightning as L
 import torch
 
 from ..model import Transformer
+from ..model.lora import apply_lora
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -29,11 +30,14 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def export_pretrained(
     model: Transformer, path: str | Path, tokenizer: Any = None, is_writer: bool = True
 ) -> None:
-    """Write `model` as a Hugging Face folder, whatever its layout (plain, compiled, checkpointed, sharded)."""
+    """Write `model` as a Hugging Face folder, whatever its layout (plain, compiled, checkpointed, sharded); a
+    model with a LoRA adapter as the PEFT adapter directory its save_pretrained writes."""
     state = full_state_dict(model)
     if not is_writer:
         return
     plain = Transformer(model.config)
+    if getattr(model, "lora_config", None) is not None:
+        apply_lora(plain, model.lora_config)
     plain.load_state_dict(state)
     plain.save_pretrained(path, tokenizer=tokenizer)
 
