@@ -13,6 +13,7 @@ from torch import nn
 from ..model import LoraConfig, ModelConfig, Transformer
 from ..model.hf import CheckpointError, NonFiniteWeightError, export_dir, nonfinite_tensors
 from ..model.lora import apply_lora
+from ..model.nf4 import quantize_base
 from .archive import interrupted_copy, is_sharded_checkpoint, read_checkpoint
 
 
@@ -24,14 +25,19 @@ def as_config(arch: ModelConfig | dict | None) -> ModelConfig:
     return arch if isinstance(arch, ModelConfig) else ModelConfig(**arch)
 
 
-def load_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> Transformer:
+def load_transformer(arch: ModelConfig | dict | None, init_from: str | None, quantize: str | None = None
+                     ) -> Transformer:
     """A fresh Transformer(arch), or the weights in `init_from`: a Hugging Face directory or one of our .ckpt
-    files. Weights holding NaN or ±inf are refused (NonFiniteWeightError naming the file and the tensor)."""
+    files. Weights holding NaN or ±inf are refused (NonFiniteWeightError naming the file and the tensor).
+
+    `quantize="nf4"`: the linear weights come back in NF4 (QLoRA's base, model/nf4.py), read straight into it from
+    a Hugging Face directory, quantised once loaded otherwise; except a LoRA run's checkpoint, which comes back
+    with its adapter over its base as that run trained it, for the caller to merge before quantising."""
     if init_from is None:
-        return Transformer(as_config(arch))
+        return _quantized(Transformer(as_config(arch)), quantize)
     path, folder = Path(init_from), export_dir(init_from)  # or the complete export a cut-off replace left
     if folder.is_dir() and not is_sharded_checkpoint(folder):
-        return Transformer.from_pretrained(folder)
+        return Transformer.from_pretrained(folder, quantize=quantize)
     if not path.exists() and interrupted_copy(path) is None:
         raise CheckpointError(f"init_from={init_from!r}: no such file or directory; "
                               "pass a Hugging Face model directory or a .ckpt written by astrai-pl fit")
@@ -42,6 +48,8 @@ def load_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> 
         model = adapted_base(path, ckpt, arch)
     else:
         model = Transformer(checkpoint_arch(path, ckpt, arch))
+        if (ckpt.get("hyper_parameters") or {}).get("quantize") == "nf4":  # a QLoRA run on a fresh base
+            quantize_base(model)  # its state dict holds the NF4 base's inner tensors
         lora = (ckpt.get("hyper_parameters") or {}).get("lora")
         if isinstance(lora, dict):  # a LoRA run on a fresh model: the checkpoint holds base and adapter
             apply_lora(model, LoraConfig(**lora))
@@ -52,7 +60,15 @@ def load_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> 
             f"{path}: weight(s) {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''} hold NaN or infinite "
             "values. Fix: the file is damaged or was saved after training diverged; use an earlier checkpoint.")
     model.load_state_dict(state, strict=not adapter_only)
-    return model
+    return model if model.lora_config is not None else _quantized(model, quantize)
+
+
+def _quantized(model: Transformer, quantize: str | None) -> Transformer:
+    if quantize is None:
+        return model
+    if quantize != "nf4":
+        raise ValueError(f"quantize={quantize!r}: the only quantisation is 'nf4' (QLoRA's base); pass it or None")
+    return quantize_base(model)
 
 
 def weights_fingerprint(model: nn.Module, samples: int = 65_536) -> float:
@@ -76,8 +92,8 @@ def adapted_base(path: Path, ckpt: dict[str, Any], arch: ModelConfig | dict | No
                               "astrai-pl fit wrote for a LoRA run.")
     if Path(base["init_from"]).resolve() == path.resolve():
         raise CheckpointError(f"{path}: names itself as its base. Fix: re-save it from the run that wrote it.")
-    try:
-        model = load_transformer(arch, base["init_from"])
+    try:  # a QLoRA run's base is read into NF4 again, as it was trained
+        model = load_transformer(arch, base["init_from"], quantize=hparams.get("quantize"))
     except CheckpointError as err:
         raise CheckpointError(f"{path}: holds a LoRA adapter whose base is read from init_from="
                               f"{base['init_from']!r}, which failed: {err}") from err

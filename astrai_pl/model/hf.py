@@ -34,7 +34,7 @@ import json
 import os
 import shutil
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -207,8 +207,10 @@ def _check_finite(file: Path, hf_key: str, tensor: torch.Tensor, cast: bool = Fa
         "file is damaged or was saved after training diverged; re-download it or export an earlier checkpoint.")
 
 
-def _read_tensors(sources: dict[str, Source], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read every planned tensor, one shard open at a time, cast to `dtype`; NaN/inf values are refused."""
+def _read_tensors(sources: dict[str, Source], dtype: torch.dtype,
+                  transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Read every planned tensor, one shard open at a time, cast to `dtype`; NaN/inf values are refused. Each is
+    passed through `transform(key, tensor)` as soon as it is read and checked, before the next is read."""
     by_file: dict[Path, list[tuple[str, Source]]] = defaultdict(list)
     for key, source in sources.items():
         by_file[source.file].append((key, source))
@@ -220,9 +222,10 @@ def _read_tensors(sources: dict[str, Source], dtype: torch.dtype) -> dict[str, t
                 if source.key not in cache:
                     cache = {source.key: f.get_tensor(source.key)}
                     _check_finite(file, source.key, cache[source.key])
-                state[key] = source.take(cache[source.key]).to(dtype)
-                if state[key].dtype != cache[source.key].dtype:
-                    _check_finite(file, source.key, state[key], cast=True)
+                tensor = source.take(cache[source.key]).to(dtype)
+                if tensor.dtype != cache[source.key].dtype:
+                    _check_finite(file, source.key, tensor, cast=True)
+                state[key] = tensor if transform is None else transform(key, tensor)
     return state
 
 
@@ -235,8 +238,12 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     return resolved
 
 
-def load_pretrained(cls: type[torch.nn.Module], path: str | Path, dtype: torch.dtype | str | None = None):
-    """Build `cls(config)` from a Hugging Face directory; every key and shape is checked before any is read."""
+def load_pretrained(cls: type[torch.nn.Module], path: str | Path, dtype: torch.dtype | str | None = None,
+                    transform: Callable[[str, torch.Tensor, torch.nn.Module], torch.Tensor] | None = None):
+    """Build `cls(config)` from a Hugging Face directory; every key and shape is checked before any is read.
+    `transform(key, tensor, owner)` (owner: the module the tensor belongs to) replaces each tensor as soon as it
+    is read (nf4.quantize_on_load: a linear weight is held in the load dtype only until it is quantised, so a
+    QLoRA base never exists in full precision; a fused MoE tensor of the file, until its last expert is)."""
     root, target = export_dir(path), _resolve_dtype(dtype)
     cfg = read_config(root)
     cfg.torch_dtype = str(target).removeprefix("torch.")
@@ -245,7 +252,9 @@ def load_pretrained(cls: type[torch.nn.Module], path: str | Path, dtype: torch.d
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()
                 if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
     sources = plan_weights(weight_files(root), cfg, expected)
-    model.load_state_dict(_read_tensors(sources, target), strict=False, assign=True)
+    per_key = None if transform is None else (
+        lambda key, tensor: transform(key, tensor, model.get_submodule(key.rpartition(".")[0])))
+    model.load_state_dict(_read_tensors(sources, target, per_key), strict=False, assign=True)
     for module in model.modules():  # non-persistent buffers are not in the checkpoint: recompute
         if isinstance(module, RotaryEmbedding):
             module.register_buffer("inv_freq", rope_frequencies(module.cfg)[0], persistent=False)

@@ -112,12 +112,21 @@ class Transformer(nn.Module):
     # -- Hugging Face round-trip -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
-                        adapter: str | Path | None = None) -> Transformer:
+                        adapter: str | Path | None = None, quantize: str | None = None) -> Transformer:
         """Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not); with `adapter`, a
-        PEFT LoRA adapter directory on top of it (kept separate: `merge_lora` folds it in)."""
+        PEFT LoRA adapter directory on top of it (kept separate: `merge_lora` folds it in). `quantize="nf4"`:
+        the linear weights but the output layer's are read straight into frozen 4-bit NF4 (QLoRA's base, nf4.py),
+        one tensor at a time, never the whole model in `dtype`."""
         from .hf import load_pretrained
 
-        model = load_pretrained(cls, path, dtype)
+        if quantize is None:
+            model = load_pretrained(cls, path, dtype)
+        elif quantize == "nf4":
+            from .nf4 import quantize_base, quantize_on_load
+
+            model = quantize_base(load_pretrained(cls, path, dtype, transform=quantize_on_load))
+        else:
+            raise ValueError(f"quantize={quantize!r}: the only quantisation is 'nf4' (QLoRA's base); pass it or None")
         if adapter is not None:
             from .adapter_files import load_adapter
 

@@ -7,7 +7,7 @@ import copy
 import math
 import numbers
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -20,6 +20,7 @@ from ..checkpoint import CheckpointError, load_transformer
 from ..checkpoint.loading import weights_fingerprint
 from ..model import ConfigError, LoraConfig, ModelConfig
 from ..model.lora import adapter_state, adapters_disabled, apply_lora, merge_lora, trainable_summary
+from ..model.nf4 import check_quantize, quantize_base
 from ..parallel import ActivationCheckpointing, check_activation_checkpointing, configure_model, is_dtensor
 from .losses import IGNORE_INDEX, cross_entropy, linear_cross_entropy, next_token_labels
 
@@ -94,6 +95,7 @@ class Objective(L.LightningModule, ABC):
         activation_checkpointing: ActivationCheckpointing = "none",
         compile: bool = False,
         lora: LoraConfig | None = None,
+        quantize: Literal["nf4"] | None = None,
     ):
         """
         Args:
@@ -117,17 +119,23 @@ class Objective(L.LightningModule, ABC):
                 the optimizer gets the adapter only, checkpoints hold the adapter and its optimizer state (the
                 base is read again from init_from on resume), and DPO's and GRPO's reference is the base with
                 the adapter switched off. See docs/adapters.md.
+            quantize: "nf4": QLoRA. The frozen base's linear weights (all but the output layer) are stored in
+                4-bit NF4 with double quantisation and dequantised inside each matmul; read straight into NF4
+                from a Hugging Face init_from, quantised after initialisation on a fresh model. Needs lora.
         """
         super().__init__()
         check_activation_checkpointing(activation_checkpointing)
         self.activation_checkpointing, self.compile_blocks = activation_checkpointing, compile
-        self.model = load_transformer(arch, init_from)
+        check_quantize(quantize, lora)
+        self.model = load_transformer(arch, init_from, quantize=quantize)
         if self.model.lora_config is not None:  # init_from a LoRA run's checkpoint: its adapter joins the base
             merge_lora(self.model)
         self.arch = self.model.config
         self.base_fingerprint = None
         if lora is not None:
             self.base_fingerprint = weights_fingerprint(self.model)
+            if quantize is not None:  # after a loaded adapter is merged; already NF4 when read from a directory
+                quantize_base(self.model)
             apply_lora(self.model, as_lora(lora))
             self.strict_loading = False  # checkpoints hold the adapter only; on_load_checkpoint checks it
         self.tokenizer = tokenizer
