@@ -119,8 +119,8 @@ def quantize_base(model: nn.Module) -> nn.Module:
             continue
         module.weight = nn.Parameter(nf4, requires_grad=False)
     if kept:
-        log.warning("NF4: %d linear weight(s) stay in their dtype, their size not a multiple of %d-value blocks: "
-                    "%s", len(kept), BLOCK_SIZE, ", ".join(kept[:4]) + (" …" if len(kept) > 4 else ""))
+        log.warning("NF4: %d linear weight(s) stay in their dtype (not whole %d-value blocks, or block scales that "
+                    "are not finite): %s", len(kept), BLOCK_SIZE, ", ".join(kept[:4]) + (" …" if len(kept) > 4 else ""))
     if not getattr(model, _HOOKED, False):
         model.register_state_dict_post_hook(_write_inner_tensors)
         model.register_load_state_dict_pre_hook(_read_inner_tensors)

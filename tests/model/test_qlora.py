@@ -98,6 +98,7 @@ def test_a_weight_that_cannot_be_blocked_keeps_its_dtype_with_one_log_line(caplo
     attention = model.layers[0].self_attn
     assert not nf4.is_nf4(attention.k_proj.weight) and attention.k_proj.weight.dtype == torch.float32
     assert nf4.is_nf4(attention.q_proj.weight) and nf4.is_nf4(model.layers[1].mlp.down_proj.weight)
+    assert nf4.to_nf4(torch.zeros(64, 64)) is None  # constant blocks: no finite scale, kept as is
 
 
 def test_quantize_without_an_adapter_is_refused_naming_the_field():
