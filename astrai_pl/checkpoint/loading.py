@@ -102,6 +102,7 @@ def adapted_base(path: Path, ckpt: dict[str, Any], arch: ModelConfig | dict | No
         raise CheckpointError(f"{path}: the base weights at init_from={base['init_from']!r} are not those the "
                               "adapter was trained on (their fingerprint differs). Fix: restore that base model.")
     apply_lora(model, LoraConfig(**hparams["lora"]))
+    model.__dict__["adapter_extra"] = {"base_model_name_or_path": str(base["init_from"])}  # for its PEFT export
     return model
 
 
