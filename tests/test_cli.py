@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import torch
 import yaml
 
 from astrai_pl.cli import lightning_main, main
-from astrai_pl.model import Transformer
+from astrai_pl.model import LoraConfig, Transformer
 from astrai_pl.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +28,10 @@ def test_every_shipped_config_parses_and_instantiates(config):
     arch = yaml.safe_load(config.read_text())["model"]["init_args"].get("arch")
     if arch is not None:
         assert set(arch) == set(cli.model.arch.to_dict())
+    lora = yaml.safe_load(config.read_text())["model"]["init_args"].get("lora")
+    if lora is not None:  # every LoraConfig field spelled out, and the adapter is what the model trains
+        assert set(lora) == {f.name for f in dataclasses.fields(LoraConfig)}
+        assert cli.model.model.lora_config == LoraConfig(**lora)
 
 
 def test_print_config_shows_field_documentation(capsys):
