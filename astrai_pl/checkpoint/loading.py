@@ -12,7 +12,7 @@ from torch import nn
 
 from ..model import LoraConfig, ModelConfig, Transformer
 from ..model.hf import CheckpointError, NonFiniteWeightError, export_dir, nonfinite_tensors
-from ..model.lora import apply_lora
+from ..model.lora import apply_lora, merge_lora
 from ..model.nf4 import quantize_base
 from .archive import interrupted_copy, is_sharded_checkpoint, read_checkpoint
 
@@ -97,10 +97,14 @@ def adapted_base(path: Path, ckpt: dict[str, Any], arch: ModelConfig | dict | No
     except CheckpointError as err:
         raise CheckpointError(f"{path}: holds a LoRA adapter whose base is read from init_from="
                               f"{base['init_from']!r}, which failed: {err}") from err
+    if model.lora_config is not None:  # its base was itself a LoRA run's checkpoint: merged, as the run did
+        merge_lora(model)
     saved = base.get("fingerprint")
     if saved is not None and not math.isclose(saved, weights_fingerprint(model), rel_tol=1e-9):
         raise CheckpointError(f"{path}: the base weights at init_from={base['init_from']!r} are not those the "
                               "adapter was trained on (their fingerprint differs). Fix: restore that base model.")
+    if hparams.get("quantize") == "nf4":  # after the merge, as the run quantised it (a no-op when read as NF4)
+        quantize_base(model)
     apply_lora(model, LoraConfig(**hparams["lora"]))
     model.__dict__["adapter_extra"] = {"base_model_name_or_path": str(base["init_from"])}  # for its PEFT export
     return model

@@ -123,3 +123,22 @@ def test_a_lora_checkpoint_from_init_from_holds_the_adapter_and_starts_the_next_
     with torch.no_grad():
         for a, b in zip(pair_logps(nxt.model.eval(), batch), pair_logps(loaded, batch)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lora_checkpoint_whose_base_is_a_lora_checkpoint_loads_with_both_adapters(tmp_path):
+    torch.manual_seed(0)
+    Transformer(ARCH).save_pretrained(tmp_path / "base")
+    data = DPOData(synthetic=Arithmetic(train_rows=48, test_rows=8), max_seq_len=64, batch_size=4,
+                   cache_dir=str(tmp_path))
+    init_from, stages = str(tmp_path / "base"), []
+    for stage in ("first", "second"):  # e.g. SFT with LoRA, then DPO with LoRA from its checkpoint
+        module = DPO(init_from=init_from, optimizer=adam, lora=LORA, tokenizer=data.tokenizer)
+        quiet_trainer(max_steps=2, limit_val_batches=0, enable_checkpointing=True,
+                      default_root_dir=str(tmp_path / stage)).fit(module, datamodule=data)
+        init_from = str(next((tmp_path / stage).rglob("*.ckpt")))
+        stages.append(module)
+    loaded = load_transformer(None, init_from).eval()
+    batch = batches(data)[0]
+    with torch.no_grad():
+        for a, b in zip(pair_logps(loaded, batch), pair_logps(stages[-1].model.eval(), batch)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
