@@ -26,7 +26,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from .model import Transformer
+from .model import ConfigError, Transformer
 from .model.layers import RMSNorm
 from .strategy import DTYPES, ParallelConfigError  # importing it registers `strategy: fsdp2`
 
@@ -165,6 +165,12 @@ def apply_tensor_parallel(model: Transformer, mesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()
+    if getattr(model, "lora_config", None) is not None:
+        raise ConfigError(
+            f"model.init_args.lora with FSDP2Strategy.tensor_parallel_size={tp}: tensor parallelism has no plan "
+            "for LoRA adapters (their A and B matrices would need their own layouts); use tensor_parallel_size=1, "
+            "under which FSDP2 shards the frozen base and the adapter over every process, or drop lora"
+        )
     check_tensor_parallel(model.config, tp)
     tied = model.lm_head.weight is model.embed_tokens.weight
     for block in model.layers:

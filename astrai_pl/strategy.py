@@ -166,7 +166,12 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def _load_sharded(self, path: Path) -> dict[str, Any]:
         """Lightning's sharded load, with every read through checkpoint/sharded.py: checksums first, metadata
-        that runs no code, non-tensor entries weights-only, and CheckpointError naming the folder."""
+        that runs no code, non-tensor entries weights-only, and CheckpointError naming the folder.
+
+        With the LightningModule's `strict_loading` False (a LoRA run, whose checkpoints hold the adapter but
+        not the frozen base) only the weights the folder holds are read, and a trained weight it lacks is refused
+        (only frozen ones may be absent). The weights read are returned as the checkpoint's `state_dict`, so
+        `on_load_checkpoint` sees what the folder held."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -178,11 +183,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         expected = self._verify_checksums(path)
         metadata = read_dcp_metadata(path)
         verify_folder(path, metadata, expected)
-        module = self.model
+        module, strict = self.model, self.lightning_module.strict_loading
         try:
-            state = {"state_dict": get_model_state_dict(module)}
-            load_into(state, path, metadata)
-            module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+            weights = get_model_state_dict(module)
+            if not strict:
+                weights = {k: v for k, v in weights.items() if f"state_dict.{k}" in metadata.state_dict_metadata}
+                _check_trained_weights_held(path, module, weights)
+            load_into({"state_dict": weights}, path, metadata)
+            module.load_state_dict(weights, strict=strict)
             for i, optimizer in enumerate(self.optimizers):
                 state = {f"optimizer_{i}": get_optimizer_state_dict(module, optimizer)}
                 load_into(state, path, metadata)
@@ -192,11 +200,12 @@ class FSDP2Strategy(ModelParallelStrategy):
             if isinstance(err, CheckpointError):
                 raise
             raise CheckpointError(describe_dcp_failure(path, err)) from err
-        return read_checkpoint(path / "meta.pt")
+        return {**read_checkpoint(path / "meta.pt"), "state_dict": weights}
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded folder through `_load_sharded`; a full file verified first. A path that a cut-off replace
-        left missing is read from the complete copy beside it."""
+        left missing is read from the complete copy beside it. Either way the checkpoint returned keeps its
+        `state_dict` (the weights are already in the model), so `on_load_checkpoint` sees which it held."""
         path = Path(self.broadcast(str(checkpoint_path)))
         path = interrupted_copy(path) or path
         if path.is_dir():
@@ -204,11 +213,25 @@ class FSDP2Strategy(ModelParallelStrategy):
         if path.is_file():
             verify_archive(path)
         try:
-            return super().load_checkpoint(path, weights_only=True)
+            checkpoint = super().load_checkpoint(path, weights_only=True)
         except (RuntimeError, ValueError, OSError, EOFError) as err:
             if isinstance(err, CheckpointError) or not _looks_unreadable(err):
                 raise
             raise CheckpointError(describe_unreadable(path, err)) from err
+        if "state_dict" not in checkpoint:  # Lightning pops it while loading; memory-mapped, nothing is copied
+            checkpoint["state_dict"] = torch.load(path, mmap=True, map_location="cpu", weights_only=True)["state_dict"]
+        return checkpoint
+
+
+def _check_trained_weights_held(path: Path, module: torch.nn.Module, held: dict[str, Any]) -> None:
+    """CheckpointError when a checkpoint read non-strictly lacks a weight that `module` trains: only frozen weights
+    (a LoRA run's base, read again from init_from) may be absent."""
+    missing = sorted(n for n, p in module.named_parameters() if p.requires_grad and n not in held)
+    if missing:
+        raise CheckpointError(
+            f"{path}: lacks {len(missing)} trained weight(s) (e.g. {missing[0]}); only frozen weights may be absent "
+            "from it. Fix: resume with the settings it was trained with (model.init_args.lora: the same adapter "
+            "and modules_to_save), or start a new run from it with init_from")
 
 
 def _looks_unreadable(err: BaseException) -> bool:
