@@ -28,6 +28,8 @@ BENCHES = {  # name: (script, arguments); in the order they run
     "posttrain": ("bench_posttrain.py", []),
     "rollout": ("bench_rollout.py", []),
     "decode": ("bench_decode.py", []),
+    "lora": ("bench_lora_sft.py", []),
+    "lora-memory": ("bench_lora_memory.py", []),
 }
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench-table:begin -->", "<!-- bench-table:end -->"
