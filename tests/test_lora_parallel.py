@@ -18,9 +18,10 @@ from lora_runs import LORA, base_weights, gathered_weights, lora_debug_config, r
 
 from astrai_pl.checkpoint import CheckpointError
 from astrai_pl.checkpoint.sharded import read_dcp_metadata
+from astrai_pl.data import Arithmetic, DPOData
 from astrai_pl.model import ConfigError, LoraConfig, ModelConfig, Transformer
 from astrai_pl.model.lora import apply_lora
-from astrai_pl.objectives import Pretrain
+from astrai_pl.objectives import DPO, Pretrain
 from astrai_pl.parallel import configure_model
 from astrai_pl.strategy import FSDP2Strategy
 
@@ -87,6 +88,19 @@ def test_one_fsdp2_rank_refuses_a_sharded_lora_checkpoint_that_lacks_a_trained_w
     with pytest.raises(CheckpointError, match=r"lacks 1 trained weight\(s\) \(e\.g\. model\.lm_head\.weight\).*"
                                               r"Fix: resume with the settings it was trained with"):
         _fsdp2_fit(one_rank, tmp_path / "b", 2, True, tmp_path / "a" / "last.ckpt", modules_to_save=["lm_head"])
+
+
+def test_dpo_under_fsdp2_refuses_modules_to_save_it_could_not_restore_for_its_reference(one_rank, tmp_path):
+    """FSDP2 computes with gathered copies of sharded weights: switching the adapter off would leave the trained
+    modules_to_save in the reference, silently."""
+    data = DPOData(synthetic=Arithmetic(train_rows=16, test_rows=4), max_seq_len=64, batch_size=4,
+                   cache_dir=str(tmp_path))
+    lora = LoraConfig(**{**LORA, "modules_to_save": ["input_layernorm"]})
+    dpo = DPO(arch=ModelConfig.from_name("debug", num_hidden_layers=1), lora=lora, tokenizer=data.tokenizer)
+    trainer = quiet_trainer(devices=1, strategy=FSDP2Strategy(), max_steps=1, limit_val_batches=0)
+    with pytest.raises(ConfigError, match=r"lora\.modules_to_save=\['input_layernorm'\] under a sharded strategy.*"
+                                          r"Fix: leave modules_to_save empty, or train with strategy: ddp"):
+        trainer.fit(dpo, datamodule=data)
 
 
 # -- two processes (gloo) ------------------------------------------------------------------------------------

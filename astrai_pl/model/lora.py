@@ -255,12 +255,17 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """The base model inside: every adapter off and every module_to_save back at its original weights.
 
     The saved modules' tensors are swapped through `.data`, which leaves autograd's version counters alone, so
-    a graph recorded before (the policy's forward of the same step) still back-propagates. Not for sharded
-    (FSDP2) modules_to_save; used in the training thread only.
+    a graph recorded before (the policy's forward of the same step) still back-propagates. Refused for
+    modules_to_save of a sharded (FSDP2 or tensor-parallel) model, whose compute reads gathered copies that such a
+    swap does not reach (the reference would silently keep the trained modules); used in the training thread only.
     """
     modules = [m for _, m in lora_modules(model)]
     params = dict(model.named_parameters())
     swapped = [(params[k], v) for k, v in getattr(model, "lora_originals", {}).items()]
+    if swapped and any(type(p).__name__ == "DTensor" for p in params.values()):
+        raise ConfigError(f"{_FIELD}.modules_to_save={model.lora_config.modules_to_save!r} under a sharded "
+                          "strategy (fsdp2): the base with the adapter off (DPO's and GRPO's reference) cannot "
+                          "restore sharded modules. Fix: leave modules_to_save empty, or train with strategy: ddp")
     for m in modules:
         m.enabled = False
     for p, original in swapped:
