@@ -23,12 +23,12 @@ def save_base(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def lora_debug_config(folder: Path, corpus: Path, base: Path, lora: dict | None = None, **kwargs) -> Path:
-    """fit_runs.debug_config as a LoRA run (LORA, updated with `lora`) from the Hugging Face directory `base`:
-    its checkpoints hold the adapter only, and its HF exports are PEFT adapter directories."""
+def lora_debug_config(folder: Path, corpus: Path, base: Path, **kwargs) -> Path:
+    """fit_runs.debug_config as a LoRA run (LORA) from the Hugging Face directory `base`: its checkpoints hold the
+    adapter only, and its HF exports are PEFT adapter directories."""
     path = debug_config(folder, corpus, **kwargs)
     cfg = yaml.safe_load(path.read_text())
-    cfg["model"]["init_args"].update(init_from=str(base), lora={**LORA, **(lora or {})})
+    cfg["model"]["init_args"].update(init_from=str(base), lora=dict(LORA))
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
