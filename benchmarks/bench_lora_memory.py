@@ -11,8 +11,10 @@ trains:
 - QLoRA: the same adapters over a base whose linear weights are stored in NF4 (`quantize="nf4"`),
   dequantised per matmul. Left out, with a note, where the objective has no `quantize` option yet.
 
-Peak memory: each side in a fresh process (peak_memory.py), from building the objective out of the saved
-directory through one warm-up step and `--mem-steps` steps. Step times: the sides interleaved in one
+Peak memory: each side in a fresh process (peak_memory.py): the peak over one warm-up step and
+`--mem-steps` steps, above what the process held before building the objective out of the saved directory
+(weights, gradients, optimizer state, activations); the build's own peak, and the bytes autograd saved for
+backward in the warm-up step, beside it. Step times: the sides interleaved in one
 process (harness.py). Ratios as everywhere in benchmarks/: the other side / the side named in the measure
 (above 1: the named side needs less memory or time).
 
@@ -35,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_posttrain import PAD, adamw, objective_step  # noqa: E402
 from harness import Duel, Row, command_line, duels, emit, save, setup  # noqa: E402
-from peak_memory import PeakMemory, in_fresh_process  # noqa: E402
+from peak_memory import PeakMemory, in_fresh_process, saved_for_backward_mb, tensor_mb  # noqa: E402
 
 PRESET, ROWS, SEQ_LEN, PROMPT = "SmolLM2-135M", 4, 256, 64
 SIDES = ("lora", "full", "qlora")
@@ -73,7 +75,8 @@ def step_of(module):
 
 
 def worker(side: str, folder: str, steps: int) -> dict:
-    """Build one side, one warm-up step and `steps` more; peak memory over all of it."""
+    """Build one side, one warm-up step and `steps` more. The peak of the steps, over what the process held
+    before building (so weights, optimizer state and activations), and the build's own peak beside it."""
     import astrai_pl.data.packing  # noqa: F401  (imports before the measured span)
     import astrai_pl.objectives  # noqa: F401
 
@@ -81,16 +84,19 @@ def worker(side: str, folder: str, steps: int) -> dict:
     memory.start()
     start = time.perf_counter()
     module = objective(side, folder)
-    build_s = time.perf_counter() - start
+    build_s, build_mb = time.perf_counter() - start, memory.rise_mb()
+    memory.reset_peak()
     step = step_of(module)
+    saved_mb = saved_for_backward_mb(step, module.model.parameters())  # the warm-up step
     times = []
-    for _ in range(steps + 1):
+    for _ in range(steps):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
     trainable = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
-    return {"peak_mb": memory.rise_mb(), "step_s": statistics.median(times[1:]), "trainable": trainable,
-            "build_s": build_s, "method": memory.method}
+    held_mb = tensor_mb(module.model.parameters()) + 3 * 4 * trainable / 2**20  # + float32 gradient, AdamW m and v
+    return {"peak_mb": memory.rise_mb(), "held_mb": held_mb, "build_mb": build_mb, "saved_mb": saved_mb, "build_s": build_s,
+            "step_s": statistics.median(times), "trainable": trainable, "method": memory.method}
 
 
 def save_random_model(folder: str) -> int:
@@ -103,9 +109,13 @@ def save_random_model(folder: str) -> int:
 
 
 def memory_row(measure: str, peer: str, named: dict, other: dict, command: str) -> Row:
-    detail = (f"{measure.split(' ')[0]} {named['peak_mb']:.0f} MB, {peer} {other['peak_mb']:.0f} MB "
-              f"({named['method']}); trainable parameters {named['trainable']:,} vs {other['trainable']:,}; "
-              f"building the objective from the directory took {named['build_s']:.0f} s vs {other['build_s']:.0f} s")
+    name = measure.split(" ")[0]
+    detail = (f"peak of the steps {name} {named['peak_mb']:.0f} MB, {peer} {other['peak_mb']:.0f} MB "
+              f"({named['method']}); weights + gradients + AdamW state {named['held_mb']:.0f} MB vs "
+              f"{other['held_mb']:.0f} MB and saved for backward {named['saved_mb']:.0f} MB vs "
+              f"{other['saved_mb']:.0f} MB (counted); peak while building the objective from the directory "
+              f"{named['build_mb']:.0f} MB vs {other['build_mb']:.0f} MB ({named['build_s']:.0f} s vs "
+              f"{other['build_s']:.0f} s); trainable parameters {named['trainable']:,} vs {other['trainable']:,}")
     return Row(measure, peer, other["peak_mb"] / named["peak_mb"], None, detail, command)
 
 
@@ -121,6 +131,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=120, help="seconds after which no new round starts "
                         "(at least 3 rounds)")
     parser.add_argument("--mem-steps", type=int, default=1, help="steps after the warm-up in each memory process")
+    parser.add_argument("--memory-only", action="store_true", help="leave the step-time duels out")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--worker", choices=SIDES, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
@@ -136,17 +147,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         params = save_random_model(folder)
         print(f"{PRESET} shape: {params / 1e6:.1f}M parameters", flush=True)
-        steps = {side: step_of(objective(side, folder)) for side in sides}
-        result = duels(steps, args.reps, warmup=1, budget_s=args.budget)
         peaks = {side: in_fresh_process(__file__, "--worker", side, "--folder", folder, "--mem-steps",
                                         str(args.mem_steps)) for side in sides}
-    out = [memory_row(f"LoRA SFT step peak memory, {shape}", "full fine-tune", peaks["lora"], peaks["full"], command),
-           time_row(f"LoRA SFT step time, {shape}", "full fine-tune", result["full"], command)]
+        if not args.memory_only:
+            steps = {side: step_of(objective(side, folder)) for side in sides}
+            result = duels(steps, args.reps, warmup=1, budget_s=args.budget)
+    out = [memory_row(f"LoRA SFT step peak memory, {shape}", "full fine-tune", peaks["lora"], peaks["full"], command)]
+    if not args.memory_only:
+        out.append(time_row(f"LoRA SFT step time, {shape}", "full fine-tune", result["full"], command))
     if "qlora" in sides:
+        out.append(memory_row(f"QLoRA SFT step peak memory, {shape}", "LoRA", peaks["qlora"], peaks["lora"], command))
+    if "qlora" in sides and not args.memory_only:
         flipped = Duel(result["qlora"].peer, result["qlora"].ours)  # QLoRA named, LoRA the other side
-        out += [memory_row(f"QLoRA SFT step peak memory, {shape}", "LoRA", peaks["qlora"], peaks["lora"], command),
-                time_row(f"QLoRA SFT step time, {shape}", "LoRA", flipped, command)]
-    else:
+        out.append(time_row(f"QLoRA SFT step time, {shape}", "LoRA", flipped, command))
+    if "qlora" not in sides:
         out.append(Row(f"QLoRA SFT step, {shape}", "LoRA", None, command=command,
                        note="not measured: the objectives have no quantize option yet"))
     emit(out)

@@ -10,8 +10,9 @@ adapter's parameters (lr 3e-4, betas 0.9/0.95, weight decay 0.1). Ours: `SFT(lor
 both sides run the same 32-true step. Step times are interleaved in one process (harness.py).
 
 Peak memory: each side once more in a fresh process (peak_memory.py): build the trainer from the saved
-weights, one warm-up step and `--mem-steps` steps; the rise of the peak resident set over the resident
-set after imports. Ratio peer / ours: above 1, ours needs less.
+weights, then one warm-up step and `--mem-steps` steps; the peak resident set of the steps over the
+resident set after imports (so weights, optimizer state and activations), with the build's own peak and
+the bytes autograd saved for backward beside it. Ratio peer / ours: above 1, ours needs less.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_lora_sft.py
 """
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_posttrain as posttrain  # noqa: E402
 from harness import Row, command_line, duel, emit, row_from, save, setup, small_model  # noqa: E402
-from peak_memory import PeakMemory, in_fresh_process  # noqa: E402
+from peak_memory import PeakMemory, in_fresh_process, saved_for_backward_mb  # noqa: E402
 
 ROWS, SEQ_LEN, PROMPT = 4, 256, 64
 RANK, ALPHA, TARGETS = 16, 32, "all-linear"
@@ -95,7 +96,8 @@ def first_losses(ours_module, trainer) -> tuple[float, float]:
 
 # -- peak memory, one fresh process per side ------------------------------------------------------------
 def worker(side: str, folder: str, steps: int) -> dict:
-    """Build one side from `folder`, one warm-up step and `steps` timed ones; peak memory over all of it."""
+    """Build one side from `folder`, one warm-up step and `steps` timed ones; the steps' peak memory over what
+    the process held before building, and the build's own peak."""
     if side == "ours":
         import astrai_pl.data.packing  # noqa: F401  (imports before the measured span, as TRL's below)
         import astrai_pl.objectives  # noqa: F401
@@ -107,21 +109,26 @@ def worker(side: str, folder: str, steps: int) -> dict:
     memory = PeakMemory()
     memory.start()
     step, owner = ours_step(folder) if side == "ours" else trl_step(folder)
+    build_mb = memory.rise_mb()
+    memory.reset_peak()
+    saved_mb = saved_for_backward_mb(step, owner.model.parameters())  # the warm-up step
     times = []
-    for _ in range(steps + 1):
+    for _ in range(steps):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"peak_mb": memory.rise_mb(), "step_s": statistics.median(times[1:]), "trainable": trainable(owner.model),
-            "method": memory.method}
+    return {"peak_mb": memory.rise_mb(), "build_mb": build_mb, "saved_mb": saved_mb,
+            "step_s": statistics.median(times), "trainable": trainable(owner.model), "method": memory.method}
 
 
 def peak_rows(folder: str, steps: int, peer: str, command: str) -> Row:
     got = {side: in_fresh_process(__file__, "--worker", side, "--folder", folder, "--mem-steps", str(steps))
            for side in ("ours", "trl")}
     ours, theirs = got["ours"]["peak_mb"], got["trl"]["peak_mb"]
-    detail = (f"ours {ours:.0f} MB, peer {theirs:.0f} MB ({got['ours']['method']}; build, 1 + {steps} steps); "
-              f"step in those processes ours {got['ours']['step_s']:.2f} s, peer {got['trl']['step_s']:.2f} s")
+    o, t = got["ours"], got["trl"]
+    detail = (f"peak of 1 + {steps} steps ours {ours:.0f} MB, peer {theirs:.0f} MB ({o['method']}); of it saved for "
+              f"backward {o['saved_mb']:.0f} MB vs {t['saved_mb']:.0f} MB (counted); peak while building "
+              f"{o['build_mb']:.0f} MB vs {t['build_mb']:.0f} MB")
     return Row(f"LoRA SFT step peak memory, r {RANK} {TARGETS}, 4 x 256", peer, theirs / ours, None, detail, command,
                1.0)
 
