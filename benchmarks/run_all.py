@@ -30,6 +30,7 @@ BENCHES = {  # name: (script, arguments); in the order they run
     "decode": ("bench_decode.py", []),
     "lora": ("bench_lora_sft.py", []),
     "lora-memory": ("bench_lora_memory.py", []),
+    "lora-dpo-memory": ("bench_lora_dpo_memory.py", []),
 }
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench-table:begin -->", "<!-- bench-table:end -->"
