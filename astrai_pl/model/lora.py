@@ -281,12 +281,15 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (W ← W + s·B·A) and put plain Linears back: `model` is then an
-    ordinary Transformer with the adapted weights (what PEFT's `merge_and_unload` gives). In place; returns it."""
+    ordinary Transformer with the adapted weights (what PEFT's `merge_and_unload` gives), every weight trainable
+    again as in a fresh one (an NF4 weight, which cannot train, excepted). In place; returns it."""
     for name, module in lora_modules(model):
         plain = Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-        plain.weight = nn.Parameter(module.merged_weight().detach(), requires_grad=False)
+        plain.weight = nn.Parameter(module.merged_weight().detach())
         plain.bias = module.bias
         _set_module(model, name, plain)
+    for p in model.parameters():
+        p.requires_grad_(not hasattr(p, "get_original_weight"))
     model.lora_config = None
     model.__dict__.pop("lora_originals", None)
     return model

@@ -142,3 +142,16 @@ def test_a_lora_checkpoint_whose_base_is_a_lora_checkpoint_loads_with_both_adapt
     with torch.no_grad():
         for a, b in zip(pair_logps(loaded, batch), pair_logps(stages[-1].model.eval(), batch)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_full_fine_tune_from_a_lora_checkpoint_trains_every_weight(tmp_path):
+    torch.manual_seed(0)
+    Transformer(ARCH).save_pretrained(tmp_path / "base")
+    data = DPOData(synthetic=Arithmetic(train_rows=48, test_rows=8), max_seq_len=64, batch_size=4,
+                   cache_dir=str(tmp_path))
+    first = DPO(init_from=str(tmp_path / "base"), optimizer=adam, lora=LORA, tokenizer=data.tokenizer)
+    quiet_trainer(max_steps=1, limit_val_batches=0, enable_checkpointing=True,
+                  default_root_dir=str(tmp_path / "lora")).fit(first, datamodule=data)
+    full = DPO(init_from=str(next((tmp_path / "lora").rglob("*.ckpt"))), optimizer=adam, tokenizer=data.tokenizer)
+    assert all(p.requires_grad for p in full.model.parameters())
+    quiet_trainer(max_steps=1, limit_val_batches=0).fit(full, datamodule=data)  # a step that trains
