@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint setup cuda-check bench
+.PHONY: demo test test-all lint setup cuda-check bench
 
 setup: $(STAMP)
 
@@ -28,8 +28,12 @@ demo: $(STAMP)
 cuda-check: $(STAMP)
 	$(PY) -m astrai_pl.ops.check
 
+# The default run leaves out the tests marked slow (each feature keeps a test in it); test-all runs them too.
 test: $(STAMP)
 	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) --no-print-directory cuda-check; fi
+	$(PY) -m pytest -q -x --durations=15 -m "not slow"
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15
 
 lint: $(STAMP)

@@ -138,7 +138,6 @@ def _adapter(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in weights.items() if ".lora_A." in k or ".lora_B." in k}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "sharded", "full"])
 def test_two_processes_train_the_one_process_adapter_on_an_untouched_base(runs, name):
     folder, base = getattr(runs, name), base_weights(runs.base)
@@ -169,7 +168,6 @@ def test_fsdp2_resumes_a_lora_run_from_its_adapter_only_checkpoint_bit_for_bit(r
     assert final.keys() == again.keys() and all(torch.equal(final[k], again[k]) for k in final)
 
 
-@pytest.mark.slow
 def test_fsdp2_sharded_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only(runs):
     entries = read_dcp_metadata(runs.sharded / "ckpt" / "last.ckpt").state_dict_metadata
     weights = {k.removeprefix("state_dict.") for k in entries if k.startswith("state_dict.")}

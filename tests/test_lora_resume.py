@@ -58,7 +58,6 @@ def _config(folder, setup):
     return lora_debug_config(folder, corpus, base, max_steps=MAX_STEPS, accumulate=ACCUMULATE, every_n_train_steps=3)
 
 
-@pytest.mark.slow
 def test_sigkill_at_a_random_step_then_resume_gives_the_same_adapter_bit_for_bit(tmp_path, setup):
     reference = launch(_config(tmp_path / "reference", setup))
     kill_after = random.Random().randint(4, 8)  # JSONL lines: the run is then at least that many steps in

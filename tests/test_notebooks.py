@@ -31,7 +31,6 @@ def test_stored_clean(path):
     assert any("astrai-pl fit --config" in s and "--trainer.devices" in s for s in cells(path, "markdown"))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_runs_top_to_bottom(path, tmp_path):
     notebook = nbformat.read(path, as_version=4)
