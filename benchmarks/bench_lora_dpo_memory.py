@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_posttrain import adamw, objective_step  # noqa: E402
 from harness import Row, command_line, emit, save, setup  # noqa: E402
-from peak_memory import PeakMemory, in_fresh_process, tensor_mb  # noqa: E402
+from peak_memory import PeakMemory, add_worker_arguments, answer_as_worker, in_fresh_process, tensor_mb  # noqa: E402
 
 PRESET, PAIRS, SEQ_LEN, PROMPT = "small", 4, 256, 64
 SIDES = ("lora", "lora+copy", "full")
@@ -73,15 +73,11 @@ def worker(side: str, folder: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="also write the rows here")
-    parser.add_argument("--worker", choices=SIDES, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
+    add_worker_arguments(parser, SIDES)
     args = parser.parse_args()
     setup()
     warnings.filterwarnings("ignore")
-    if args.worker:
-        import json
-
-        print(json.dumps(worker(args.worker, args.folder)))
+    if answer_as_worker(args, lambda side, folder: worker(side, folder)):
         return
     from astrai_pl.model import ModelConfig, Transformer
 

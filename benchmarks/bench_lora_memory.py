@@ -37,7 +37,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_posttrain import PAD, adamw, objective_step  # noqa: E402
 from harness import Duel, Row, command_line, duels, emit, save, setup  # noqa: E402
-from peak_memory import PeakMemory, in_fresh_process, saved_for_backward_mb, tensor_mb  # noqa: E402
+from peak_memory import (  # noqa: E402
+    PeakMemory,
+    add_worker_arguments,
+    answer_as_worker,
+    in_fresh_process,
+    saved_for_backward_mb,
+    tensor_mb,
+)
 
 PRESET, ROWS, SEQ_LEN, PROMPT = "SmolLM2-135M", 4, 256, 64
 SIDES = ("lora", "full", "qlora")
@@ -133,15 +140,12 @@ def main() -> None:
     parser.add_argument("--mem-steps", type=int, default=1, help="steps after the warm-up in each memory process")
     parser.add_argument("--memory-only", action="store_true", help="leave the step-time duels out")
     parser.add_argument("--json", default=None, help="also write the rows here")
-    parser.add_argument("--worker", choices=SIDES, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
+    add_worker_arguments(parser, SIDES)
     args = parser.parse_args()
     setup()
     warnings.filterwarnings("ignore")
-    if args.worker:
-        import json
-
-        return print(json.dumps(worker(args.worker, args.folder, args.mem_steps)))
+    if answer_as_worker(args, lambda side, folder: worker(side, folder, args.mem_steps)):
+        return
     command, shape = command_line(), f"{PRESET} shape, 4 x 256"
     sides = SIDES if qlora_available() else SIDES[:2]
     with tempfile.TemporaryDirectory() as folder:

@@ -32,7 +32,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_posttrain as posttrain  # noqa: E402
 from harness import Row, command_line, duel, emit, row_from, save, setup, small_model  # noqa: E402
-from peak_memory import PeakMemory, in_fresh_process, saved_for_backward_mb  # noqa: E402
+from peak_memory import (  # noqa: E402
+    PeakMemory,
+    add_worker_arguments,
+    answer_as_worker,
+    in_fresh_process,
+    saved_for_backward_mb,
+)
 
 ROWS, SEQ_LEN, PROMPT = 4, 256, 64
 RANK, ALPHA, TARGETS = 16, 32, "all-linear"
@@ -140,15 +146,12 @@ def main() -> None:
                         "(at least 3 rounds)")
     parser.add_argument("--mem-steps", type=int, default=2, help="steps after the warm-up in each memory process")
     parser.add_argument("--json", default=None, help="also write the rows here")
-    parser.add_argument("--worker", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
+    add_worker_arguments(parser, ["ours", "trl"])
     args = parser.parse_args()
     setup()
     warnings.filterwarnings("ignore")
-    if args.worker:
-        import json
-
-        return print(json.dumps(worker(args.worker, args.folder, args.mem_steps)))
+    if answer_as_worker(args, lambda side, folder: worker(side, folder, args.mem_steps)):
+        return
     command = command_line()
     try:
         import peft

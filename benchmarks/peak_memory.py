@@ -121,6 +121,23 @@ def saved_for_backward_mb(step: Callable[[], object], params: Iterable[torch.Ten
     return sum(seen.values()) / 2**20
 
 
+def add_worker_arguments(parser, sides) -> None:
+    """The hidden `--worker SIDE --folder DIR` a script passes to itself for `in_fresh_process`."""
+    import argparse
+
+    parser.add_argument("--worker", choices=list(sides), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
+
+
+def answer_as_worker(args, work) -> bool:
+    """In a worker process (`--worker` given): print `work(side, folder)` as the JSON line `in_fresh_process`
+    reads, and say so; False in the parent."""
+    if not args.worker:
+        return False
+    print(json.dumps(work(args.worker, args.folder)))
+    return True
+
+
 def in_fresh_process(script: str, *args: str) -> dict:
     """Run `script --worker …` in a new interpreter and return the JSON object its last line prints."""
     done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)

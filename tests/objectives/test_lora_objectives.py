@@ -25,6 +25,19 @@ def adam(params):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
+def pairs(tmp_path):
+    return DPOData(synthetic=Arithmetic(train_rows=48, test_rows=8), max_seq_len=64, batch_size=4,
+                   cache_dir=str(tmp_path))
+
+
+def lora_checkpoint(init_from, folder, data, steps=2) -> tuple[DPO, str]:
+    """A DPO run with LoRA from `init_from` for `steps` steps, and the checkpoint it wrote."""
+    module = DPO(init_from=str(init_from), optimizer=adam, lora=LORA, tokenizer=data.tokenizer)
+    quiet_trainer(max_steps=steps, limit_val_batches=0, enable_checkpointing=True,
+                  default_root_dir=str(folder)).fit(module, datamodule=data)
+    return module, str(next(folder.rglob("*.ckpt")))
+
+
 def batches(data, n=2):
     data.setup("fit")
     return [b for _, b in zip(range(n), data.train_dataloader())]
@@ -32,8 +45,7 @@ def batches(data, n=2):
 
 def test_the_optimizer_gets_the_adapter_only_and_the_run_says_how_much_trains(tmp_path, caplog):
     torch.manual_seed(0)
-    data = DPOData(synthetic=Arithmetic(train_rows=48, test_rows=8), max_seq_len=64, batch_size=4,
-                   cache_dir=str(tmp_path))
+    data = pairs(tmp_path)
     dpo = DPO(arch=ARCH, optimizer=adam, lora=LORA, tokenizer=data.tokenizer)
     frozen = {n: p.detach().clone() for n, p in dpo.model.named_parameters() if not p.requires_grad}
     run = quiet_trainer(max_steps=3, limit_val_batches=0)
@@ -50,8 +62,7 @@ def test_the_optimizer_gets_the_adapter_only_and_the_run_says_how_much_trains(tm
 
 def test_dpo_with_lora_keeps_no_copy_and_its_reference_is_the_base(tmp_path):
     torch.manual_seed(0)
-    data = DPOData(synthetic=Arithmetic(train_rows=48, test_rows=8), max_seq_len=64, batch_size=4,
-                   cache_dir=str(tmp_path))
+    data = pairs(tmp_path)
     dpo = DPO(arch=ARCH, optimizer=adam, lora=LORA, tokenizer=data.tokenizer)
     base = copy.deepcopy(dpo.model).eval()  # its adapters are fresh (B = 0): the base itself
     assert dpo.reference is None
@@ -69,8 +80,7 @@ def test_dpo_with_lora_keeps_no_copy_and_its_reference_is_the_base(tmp_path):
 
 def test_dpo_with_lora_starts_at_log_2_as_with_a_frozen_copy(tmp_path):
     torch.manual_seed(0)
-    data = DPOData(synthetic=Arithmetic(train_rows=48, test_rows=8), max_seq_len=64, batch_size=4,
-                   cache_dir=str(tmp_path))
+    data = pairs(tmp_path)
     dpo = DPO(arch=ARCH, optimizer=adam, lora=LORA, tokenizer=data.tokenizer)
     loss, _ = dpo._shared_step(batches(data)[0], "train")
     assert float(loss) == pytest.approx(math.log(2), abs=1e-6)
@@ -104,8 +114,7 @@ def test_grpo_with_lora_scores_its_kl_reference_on_the_base():
 def test_a_lora_checkpoint_from_init_from_holds_the_adapter_and_starts_the_next_stage(tmp_path):
     torch.manual_seed(0)
     Transformer(ARCH).save_pretrained(tmp_path / "base")
-    data = DPOData(synthetic=Arithmetic(train_rows=48, test_rows=8), max_seq_len=64, batch_size=4,
-                   cache_dir=str(tmp_path))
+    data = pairs(tmp_path)
     dpo = DPO(init_from=str(tmp_path / "base"), optimizer=adam, lora=LORA, tokenizer=data.tokenizer)
     run = quiet_trainer(max_steps=2, limit_val_batches=0, enable_checkpointing=True,
                         default_root_dir=str(tmp_path / "run"))
@@ -128,30 +137,21 @@ def test_a_lora_checkpoint_from_init_from_holds_the_adapter_and_starts_the_next_
 def test_a_lora_checkpoint_whose_base_is_a_lora_checkpoint_loads_with_both_adapters(tmp_path):
     torch.manual_seed(0)
     Transformer(ARCH).save_pretrained(tmp_path / "base")
-    data = DPOData(synthetic=Arithmetic(train_rows=48, test_rows=8), max_seq_len=64, batch_size=4,
-                   cache_dir=str(tmp_path))
-    init_from, stages = str(tmp_path / "base"), []
-    for stage in ("first", "second"):  # e.g. SFT with LoRA, then DPO with LoRA from its checkpoint
-        module = DPO(init_from=init_from, optimizer=adam, lora=LORA, tokenizer=data.tokenizer)
-        quiet_trainer(max_steps=2, limit_val_batches=0, enable_checkpointing=True,
-                      default_root_dir=str(tmp_path / stage)).fit(module, datamodule=data)
-        init_from = str(next((tmp_path / stage).rglob("*.ckpt")))
-        stages.append(module)
-    loaded = load_transformer(None, init_from).eval()
+    data = pairs(tmp_path)
+    _, first = lora_checkpoint(tmp_path / "base", tmp_path / "first", data)  # e.g. SFT with LoRA
+    second, ckpt = lora_checkpoint(first, tmp_path / "second", data)  # then DPO with LoRA from its checkpoint
+    loaded = load_transformer(None, ckpt).eval()
     batch = batches(data)[0]
     with torch.no_grad():
-        for a, b in zip(pair_logps(loaded, batch), pair_logps(stages[-1].model.eval(), batch)):
+        for a, b in zip(pair_logps(loaded, batch), pair_logps(second.model.eval(), batch)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_a_full_fine_tune_from_a_lora_checkpoint_trains_every_weight(tmp_path):
     torch.manual_seed(0)
     Transformer(ARCH).save_pretrained(tmp_path / "base")
-    data = DPOData(synthetic=Arithmetic(train_rows=48, test_rows=8), max_seq_len=64, batch_size=4,
-                   cache_dir=str(tmp_path))
-    first = DPO(init_from=str(tmp_path / "base"), optimizer=adam, lora=LORA, tokenizer=data.tokenizer)
-    quiet_trainer(max_steps=1, limit_val_batches=0, enable_checkpointing=True,
-                  default_root_dir=str(tmp_path / "lora")).fit(first, datamodule=data)
-    full = DPO(init_from=str(next((tmp_path / "lora").rglob("*.ckpt"))), optimizer=adam, tokenizer=data.tokenizer)
+    data = pairs(tmp_path)
+    _, ckpt = lora_checkpoint(tmp_path / "base", tmp_path / "lora", data, steps=1)
+    full = DPO(init_from=ckpt, optimizer=adam, tokenizer=data.tokenizer)
     assert all(p.requires_grad for p in full.model.parameters())
     quiet_trainer(max_steps=1, limit_val_batches=0).fit(full, datamodule=data)  # a step that trains
