@@ -128,10 +128,11 @@ class LoraLinear(Linear):
         nn.init.zeros_(self.lora_B.weight)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor | None:
-        """s · B·A·dropout(x), or None while the adapter is switched off."""
+        """s · B·A·dropout(x), or None while the adapter is switched off. s scales the rank-r activations, the
+        smallest tensor on the way, not the (…, out) result."""
         if not self.enabled:
             return None
-        return self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return self.lora_B(self.lora_A(self.lora_dropout(x)) * self.scaling)
 
     # forward is Linear's: it adds `delta` to the base projection, whichever way that is multiplied
 
