@@ -17,15 +17,22 @@ GREEDY = ["--temperature", "0", "--max-tokens", "8"]
 PRINTABLE = range(BYTE_OFFSET + ord(" "), BYTE_OFFSET + ord("~") + 1)  # ids of the bytes ' ' … '~'
 
 
-def _chatty_model() -> Transformer:
-    """The debug preset with wide weights whose greedy replies are printable ASCII: every other output
-    row is zero (logit 0, below the best of ~95 random logits), so a reply's text re-encodes to its ids."""
+def wide_model() -> Transformer:
+    """The debug preset with wide weights, so greedy tokens depend on the weights (and on an adapter)."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_name("debug")).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 2:
                 param.normal_(0.0, {"embed_tokens.weight": 1.0, "lm_head.weight": 0.1}.get(name, 0.2))
+    return model
+
+
+def _chatty_model() -> Transformer:
+    """`wide_model` whose greedy replies are printable ASCII: every other output row is zero (logit 0, below
+    the best of ~95 random logits), so a reply's text re-encodes to its ids."""
+    model = wide_model()
+    with torch.no_grad():
         keep = torch.zeros(model.config.vocab_size, dtype=torch.bool)
         keep[list(PRINTABLE)] = True
         model.lm_head.weight[~keep] = 0.0

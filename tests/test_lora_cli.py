@@ -7,10 +7,11 @@ import json
 
 import pytest
 import torch
+from test_commands import wide_model
 
 from astrai_pl.cli import main
 from astrai_pl.commands import chat_verb, generate_verb
-from astrai_pl.model import ModelConfig, Transformer
+from astrai_pl.model import Transformer
 from astrai_pl.model.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from astrai_pl.objectives import SFT
 from astrai_pl.tokenizer import Tokenizer
@@ -21,17 +22,6 @@ transformers = pytest.importorskip("transformers")
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 PROMPT = "Once upon a time"
 GREEDY = ["--temperature", "0", "--max-tokens", "8"]
-
-
-def wide_base() -> Transformer:
-    """The debug preset with wide weights, so greedy tokens depend on the weights (and on an adapter)."""
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig.from_name("debug")).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, {"embed_tokens.weight": 1.0, "lm_head.weight": 0.1}.get(name, 0.2))
-    return model
 
 
 def noisy_b(model, seed: int = 0) -> None:
@@ -46,7 +36,7 @@ def noisy_b(model, seed: int = 0) -> None:
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("base")
-    wide_base().save_pretrained(path, tokenizer=Tokenizer.byte_level())
+    wide_model().save_pretrained(path, tokenizer=Tokenizer.byte_level())
     return path
 
 

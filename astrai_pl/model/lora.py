@@ -261,9 +261,10 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     swap does not reach (the reference would silently keep the trained modules); used in the training thread only.
     """
     modules = [m for _, m in lora_modules(model)]
-    params = dict(model.named_parameters())
-    swapped = [(params[k], v) for k, v in getattr(model, "lora_originals", {}).items()]
-    if swapped and any(type(p).__name__ == "DTensor" for p in params.values()):
+    originals = getattr(model, "lora_originals", {})
+    params = dict(model.named_parameters()) if originals else {}  # only modules_to_save need looking up
+    swapped = [(params[k], v) for k, v in originals.items()]
+    if any(type(p).__name__ == "DTensor" for p, _ in swapped):
         raise ConfigError(f"{_FIELD}.modules_to_save={model.lora_config.modules_to_save!r} under a sharded "
                           "strategy (fsdp2): the base with the adapter off (DPO's and GRPO's reference) cannot "
                           "restore sharded modules. Fix: leave modules_to_save empty, or train with strategy: ddp")
