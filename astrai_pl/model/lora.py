@@ -42,6 +42,7 @@ ALL_LINEAR = "all-linear"
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for llama, mistral, qwen2/3, mixtral
 _NOT_ADAPTABLE = re.compile(r".*\.mlp\.(experts\.\d+\..*|gate)")  # routed experts, router
 _FIELD = "model.init_args.lora"
+_NESTED_REPEAT = re.compile(r"\((?:[^()\\]|\\.)*[*+}](?:[^()\\]|\\.)*\)\s*[*+{]")  # a group with a quantifier, quantified
 
 
 @dataclass
@@ -88,6 +89,10 @@ class LoraConfig:
             except re.error as err:
                 raise ConfigError(f"{_FIELD}.target_modules={targets!r} is not a regular expression ({err}); "
                                   "give a list of module names or all-linear") from None
+            if len(targets) > 1000 or _NESTED_REPEAT.search(targets):  # (a+)+ backtracks for hours on one name
+                raise ConfigError(f"{_FIELD}.target_modules={targets[:80]!r}: longer than 1000 characters, or a "
+                                  "repeated group that itself repeats, which can make matching run for hours; give "
+                                  "a list of module names, all-linear, or a short regex without nested repeats")
         saved = self.modules_to_save
         if saved is not None and not (isinstance(saved, (list, tuple)) and all(isinstance(m, str) for m in saved)):
             raise ConfigError(f"{_FIELD}.modules_to_save={saved!r}: give a list of module names, e.g. [lm_head]")
