@@ -18,7 +18,7 @@ $(PY):
 # dependency's looser requirement pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,serve]"
 	@touch $(STAMP)
 
 demo: $(STAMP)
