@@ -31,11 +31,13 @@ from .loop import BackgroundLoop
 from .pool import EngineConfigError, PoolUsage, build_pool, positive
 from .request import Completion, Delta, Request, end_ids, is_sample_of
 from .runner import ModelRunner
-from .sampling import SamplingParams, SamplingParamsError, sample
+from .sampling import Alternatives, SamplingParams, SamplingParamsError, sample
 from .scheduler import EngineStats, Scheduler
 from .sessions import FingerprintCache, Session, load_session
 
 __all__ = ["Engine", "EngineConfigError", "EngineStats", "Prompt"]
+
+Pick = tuple[Request, int, float | None, Alternatives | None]  # a sampled token, its logprob and alternatives
 
 
 class Engine:
@@ -352,7 +354,7 @@ class Engine:
             raise
         return self._commit(picks)
 
-    def _compute(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int, float | None]]:
+    def _compute(self, plan: list[tuple[Request, int]]) -> list[Pick]:
         """Forward, cache finished prompts, fork n > 1 requests and sample: (request, token, logprob).
 
         Until it returns, a request that was sampled keeps its logits in `ready_logits`, so a failure
@@ -365,7 +367,7 @@ class Engine:
         if not batch:
             return []
         reqs = [req for req, _ in batch]
-        tokens, logprobs = sample(
+        tokens, logprobs, top = sample(
             torch.stack([row for _, row in batch]),
             [r.params for r in reqs],
             [r.tokens for r in reqs],
@@ -375,7 +377,8 @@ class Engine:
         for req in reqs:
             req.ready_logits = None
         return [
-            (r, t, None if logprobs is None else logprobs[i]) for i, (r, t) in enumerate(zip(reqs, tokens))
+            (r, t, None if logprobs is None else logprobs[i], None if top is None else top[i])
+            for i, (r, t) in enumerate(zip(reqs, tokens))
         ]
 
     def _ready_batch(self, candidates: list[Request]) -> list[tuple[Request, torch.Tensor]]:
@@ -427,11 +430,11 @@ class Engine:
                 self.pool.release(req.pages[keep:])
                 req.pages = req.pages[:keep]
 
-    def _commit(self, picks: list[tuple[Request, int, float | None]]) -> list[Delta]:
+    def _commit(self, picks: list[Pick]) -> list[Delta]:
         deltas = []
-        for req, token, logprob in picks:
+        for req, token, logprob, top in picks:
             try:
-                deltas.append(self._append(req, token, logprob))
+                deltas.append(self._append(req, token, logprob, top))
             except Exception as err:
                 deltas.append(self._fail(req, err))
         return deltas
@@ -455,12 +458,15 @@ class Engine:
                 clones.append(clone)
         return clones
 
-    def _append(self, req: Request, token: int, logprob: float | None) -> Delta:
-        text, reason = req.append(token, logprob, self.eos_token_ids, self.max_context)
-        if reason is None:
-            return Delta(req.id, text, [token])
-        self._finish(req, reason)
-        return Delta(req.id, text, [token], reason, req.completion())
+    def _append(self, req: Request, token: int, logprob: float | None, top: Alternatives | None) -> Delta:
+        text, reason = req.append(token, logprob, self.eos_token_ids, self.max_context, top)
+        logprobs = [logprob] if req.params.logprobs else None
+        tops = [top or []] if req.params.top_logprobs else None
+        completion = None
+        if reason is not None:
+            self._finish(req, reason)
+            completion = req.completion()
+        return Delta(req.id, text, [token], reason, completion, logprobs, tops)
 
     def _finish(self, req: Request, reason: str, last_logits: torch.Tensor | None = None) -> None:
         """End `req` and release it: its row and pages go back (full computed pages to the radix cache),

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from .cache import InferenceError
-from .sampling import SamplingParams
+from .sampling import Alternatives, SamplingParams, scored
 from .text import TextStream
 
 
@@ -54,6 +54,11 @@ class Completion:
     index: int = 0  # which of the prompt's n samples
     request_id: str = ""
     error: str | None = None  # why the request failed, when finish_reason is "error"
+    top_logprobs: list[Alternatives] | None = None  # per generated token, with SamplingParams.top_logprobs
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # per prompt token, with prompt_logprobs
+
+
+PromptLogprob = tuple[float, Alternatives]  # a prompt token's log-probability and the likeliest tokens there
 
 
 @dataclass
@@ -65,6 +70,8 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     completion: Completion | None = None
+    logprobs: list[float] | None = None  # of token_ids, with SamplingParams.logprobs
+    top_logprobs: list[Alternatives] | None = None  # per token of token_ids, with SamplingParams.top_logprobs
 
 
 class TurnOwner(Protocol):
@@ -106,6 +113,10 @@ class Request:
         self.forks_left = params.n - 1 if index == 0 else 0
         self.ready_logits: torch.Tensor | None = None  # (V,) next-token logits known without a forward
         self.logprobs: list[float] = []
+        self.top_logprobs: list[Alternatives] = []
+        self.prompt_logprobs: list[PromptLogprob | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * self.num_prompt
         self.finish_reason: str | None = None
         self.error: str | None = None  # set when a step failed for this request
         self.group: list[Request] = [self]  # this prompt's samples, index order once forked
@@ -126,6 +137,28 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cacheable(self) -> list[int]:
+        """The tokens whose K/V may come from the prefix cache: all but the last, since its logits are
+        needed, and none whose logits score a prompt token (`prompt_logprobs`)."""
+        end = len(self.tokens) - 1
+        if self.prompt_logprobs is not None:
+            end = min(end, max(0, self.params.prompt_logprobs_start - 1))
+        return self.tokens[:end]
+
+    def scored_positions(self, start: int, stop: int) -> range:
+        """Of the positions start..stop-1 computed now, those whose logits score a prompt token."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, self.params.prompt_logprobs_start - 1), min(stop, self.num_prompt - 1))
+
+    def score_prompt(self, positions: range, logits: torch.Tensor) -> None:
+        """Record the log-probability of the prompt token after each of `positions` from their logits."""
+        nexts = torch.tensor(self.tokens[positions.start + 1 : positions.stop + 1], device=logits.device)
+        chosen, top = scored(logits, nexts, [self.params.prompt_logprobs] * len(positions))
+        for i, position in enumerate(positions):
+            self.prompt_logprobs[position + 1] = (chosen[i], top[i] if top is not None else [])
+
     def fork(self, stream: TextStream | None, device: torch.device | str) -> Request:
         """The next of this prompt's n samples, in the same group; its memory is the scheduler's business."""
         self.forks_left -= 1
@@ -135,6 +168,7 @@ class Request:
         )
         clone.started, clone.cached_tokens, clone.group = True, clone.num_prompt, self.group
         clone.kv_from_file = self.kv_from_file  # it starts on a copy of this request's pages
+        clone.prompt_logprobs = self.prompt_logprobs  # computed once, by this request's prefill
         self.group.append(clone)
         return clone
 
@@ -148,12 +182,15 @@ class Request:
             self.ready_logits = last_logits
 
     def append(
-        self, token: int, logprob: float | None, end_ids: set[int], max_context: int
+        self, token: int, logprob: float | None, end_ids: set[int], max_context: int,
+        top: Alternatives | None = None,
     ) -> tuple[str, str | None]:
         """Add a sampled token: the text now safe to show, and why the request ends here (or None)."""
         self.tokens.append(token)
         if logprob is not None and self.params.logprobs:
             self.logprobs.append(logprob)
+            if self.params.top_logprobs:
+                self.top_logprobs.append(top or [])
         params, text, reason = self.params, "", None
         if token in params.stop_token_ids or (not params.ignore_eos and token in end_ids):
             reason = "stop"  # the stop id is kept in token_ids, left out of the text
@@ -181,6 +218,8 @@ class Request:
             index=self.index,
             request_id=self.id,
             error=self.error,
+            top_logprobs=list(self.top_logprobs) if self.params.top_logprobs else None,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
 
 

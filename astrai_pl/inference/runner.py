@@ -15,6 +15,8 @@ from .backends import StepView, select_backend
 from .pool import KVPool
 from .request import Request
 
+_SCORE_ROWS = 256  # prompt positions scored per output projection (prompt_logprobs)
+
 
 class ModelRunner:
     def __init__(self, model, pool: KVPool, device: torch.device, dtype: torch.dtype):
@@ -52,6 +54,11 @@ class ModelRunner:
             hidden, _ = self.model.hidden_states(input_ids, position_ids=position_ids, cache=view)
             ready, sample_at, end = [], [], 0
             for req, n in plan:
+                scored = req.scored_positions(req.num_computed, req.num_computed + n)
+                for lo in range(scored.start, scored.stop, _SCORE_ROWS):  # bounded (rows, vocab) logits
+                    part = range(lo, min(lo + _SCORE_ROWS, scored.stop))
+                    at = end - req.num_computed
+                    req.score_prompt(part, self.model.lm_head(hidden[0, at + part.start : at + part.stop]))
                 req.num_computed += n
                 req.table_len = req.num_computed
                 end += n

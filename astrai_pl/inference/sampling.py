@@ -55,6 +55,15 @@ class SamplingParams:
     """Seed of this request's own generator (sample i of n uses seed + i)."""
     logprobs: bool = False
     """Return the log-probability of each chosen token under the model (before penalties and temperature)."""
+    top_logprobs: int = 0
+    """Also return the `top_logprobs` most likely tokens at each step with their log-probabilities (0..20);
+    a value above 0 turns `logprobs` on."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of each prompt token (from `prompt_logprobs_start` on) and its
+    `prompt_logprobs` most likely alternatives (0..20); None computes none. Those positions are never
+    taken from the prefix cache, since scoring them needs their logits."""
+    prompt_logprobs_start: int = 1
+    """The first prompt position scored by `prompt_logprobs` (position 0 has nothing before it)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the completion text."""
 
@@ -74,6 +83,13 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail(self, name, "must be True or False", f"pass a bool, not {_kind(getattr(self, name))}")
+        if self.top_logprobs:
+            self.logprobs = True
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _integer(self, "prompt_logprobs", 0, "use None for no prompt log-probabilities")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            if (getattr(self, name) or 0) > MAX_LOGPROBS:
+                _fail(self, name, f"must be at most {MAX_LOGPROBS}", f"ask for {MAX_LOGPROBS} or fewer alternatives")
         self.seed = _seed(self)
         self.stop = _stop_strings(self)
         self.stop_token_ids = _stop_token_ids(self)
@@ -99,7 +115,10 @@ _INTEGER_FIELDS = (
     ("max_tokens", 0, "use 0 to only prefill, or a positive length"),
     ("top_k", 0, "use 0 to disable top-k"),
     ("n", 1, "ask for at least one completion"),
+    ("top_logprobs", 0, "use 0 for the chosen token's log-probability only"),
+    ("prompt_logprobs_start", 0, "use 1 to score every prompt token after the first"),
 )
+MAX_LOGPROBS = 20  # alternatives per position, as OpenAI's API allows
 # (field, range check, what the range is, fix)
 _FLOAT_FIELDS = (
     ("temperature", lambda x: x >= 0, "must be a finite number >= 0", "use 0 for greedy or e.g. 0.7"),
@@ -225,8 +244,9 @@ def sample(
     contexts: list[list[int]],  # prompt + output ids of each request
     num_outputs: list[int],  # how many of those ids are output
     generators: list[torch.Generator | None],
-) -> tuple[list[int], list[float] | None]:
-    """The next token of every row, and the raw log-probabilities of the chosen tokens if any row asks."""
+) -> tuple[list[int], list[float] | None, list[Alternatives] | None]:
+    """The next token of every row; if any row asks, the raw log-probabilities of the chosen tokens and
+    each row's `top_logprobs` most likely tokens."""
     want_logprobs = any(p.logprobs for p in params)
     raw, logits = logits, _finite(logits)  # a new tensor, which the penalties may write into
     if any(p.penalised for p in params):
@@ -244,9 +264,29 @@ def sample(
             tokens[drawn] = _draw(logits[drawn], [params[i] for i in drawn], [generators[i] for i in drawn])
     token_list = tokens.tolist()
     if not want_logprobs:
-        return token_list, None
-    chosen = raw.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
-    return token_list, chosen.tolist()
+        return token_list, None, None
+    chosen, top = scored(raw, tokens, [p.top_logprobs for p in params])
+    return token_list, chosen, top
+
+
+Alternatives = list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+def scored(
+    logits: torch.Tensor,  # (N, V) raw logits
+    tokens: torch.Tensor,  # (N,) int64: the token each row is scored for
+    top: list[int],  # alternatives wanted per row
+) -> tuple[list[float], list[Alternatives] | None]:
+    """Each row's log-probability of its token, and its `top[i]` most likely tokens (None if no row asks).
+    NaN counts as -inf, as in sampling."""
+    logp = _finite(logits.float()).log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+    k = min(max(top, default=0), logp.shape[-1])
+    if k == 0:
+        return chosen, None
+    values, ids = logp.topk(k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return chosen, [list(zip(ids[i][:n], values[i][:n])) for i, n in enumerate(top)]
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:

@@ -163,7 +163,7 @@ class Scheduler:
                 break
             fresh = not req.pages and req.num_computed == 0
             if fresh:
-                req.pages, req.num_computed = self.pool.match_prefix(req.tokens[: len(req.tokens) - 1])
+                req.pages, req.num_computed = self.pool.match_prefix(req.cacheable)
                 if self._prefill_in_flight(req):  # wait for that prefill, then reuse its pages
                     self._unstart(req)
                     continue
@@ -207,7 +207,7 @@ class Scheduler:
         for other in self.running:
             if other.prompt_cached or other.kv_from_file or other.num_computed >= other.num_prompt:
                 continue
-            shared = _common_prefix(req.tokens, other.tokens[: other.num_prompt]) // ps * ps
+            shared = _common_prefix(req.cacheable, other.tokens[: other.num_prompt]) // ps * ps
             if shared - matched >= max(ps, uncached // 2):
                 return True
         return False

@@ -235,7 +235,7 @@ def test_the_sampler_returns_a_vocabulary_id_whatever_the_logits(params):
         ]
     ).repeat(50, 1)
     torch.manual_seed(0)
-    tokens, _ = sample(logits, [params] * 200, [[0, 1, 2, 4]] * 200, [2] * 200, [None] * 200)
+    tokens, _, _ = sample(logits, [params] * 200, [[0, 1, 2, 4]] * 200, [2] * 200, [None] * 200)
     assert all(0 <= t < 8 for t in tokens)
     assert set(tokens[2::4]) == {4}  # +inf is certain
 

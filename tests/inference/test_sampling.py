@@ -11,7 +11,7 @@ LOGITS = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0])  # probabiliti
 
 def draw(params: SamplingParams, n: int = 400, seed: int = 0) -> list[int]:
     torch.manual_seed(seed)
-    tokens, _ = sample(LOGITS.repeat(n, 1), [params] * n, [[]] * n, [0] * n, [None] * n)
+    tokens, _, _ = sample(LOGITS.repeat(n, 1), [params] * n, [[]] * n, [0] * n, [None] * n)
     return tokens
 
 
