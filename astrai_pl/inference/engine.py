@@ -109,6 +109,11 @@ class Engine:
             **self._counts, evicted_pages=self.pool.evicted_pages, preemptions=self.scheduler.preemptions
         )
 
+    def load(self) -> tuple[int, int]:
+        """Requests running (each of n samples counts) and waiting to be scheduled, now."""
+        with self.lock:
+            return len(self.scheduler.running), len(self.scheduler.waiting)
+
     def usage(self) -> PoolUsage:
         """Pages free, evictable (cached, unused) and in use."""
         with self.lock:

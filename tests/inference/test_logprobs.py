@@ -83,3 +83,16 @@ def test_samples_of_one_prompt_share_its_prompt_logprobs(model, make_engine, ran
 def test_logprob_fields_are_checked(field, value, message):
     with pytest.raises(SamplingParamsError, match=f"{field}.*{message}"):
         SamplingParams(**{field: value})
+
+
+def test_load_counts_running_and_waiting_requests(model, make_engine, random_prompts):
+    """What a server's metrics show: queued requests wait, a step runs them, finished ones leave."""
+    engine = make_engine(model, max_batch_size=2)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in random_prompts([5, 6, 7])]
+    assert engine.load() == (0, 3)
+    engine.step()
+    assert engine.load() == (2, 1)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.load() == (0, 0) and len(ids) == 3
