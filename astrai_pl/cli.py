@@ -7,6 +7,7 @@
     astrai-pl convert --ckpt base_hf_dir/ --adapter adapter_dir/ --merge-lora --output merged_dir/
     astrai-pl generate --model hf_dir/ --prompt "What is 2 + 3?"      (or --input prompts.jsonl --output out.jsonl)
     astrai-pl chat --model hf_dir/
+    astrai-pl serve --model hf_dir/ [--port 8000] [--api-key KEY]    (OpenAI-compatible HTTP: /v1/completions, …)
     astrai-pl sweep configs/sweeps/sft-debug.yaml [--count N] [--dry-run]   (a W&B sweep, without a W&B server)
 
 Every config has a `wandb:` section; `--wandb.enabled true` logs the run to Weights & Biases (docs/tracking.md).
@@ -172,8 +173,14 @@ def _convert_verb(argv: list[str]) -> None:
     print(f"wrote {ns.output} ({'a PEFT adapter directory' if adapter_only else 'a Hugging Face model directory'})")
 
 
+def _serve_verb(argv: list[str]) -> None:
+    from .serve.cli import serve_verb  # FastAPI and uvicorn load only for this verb (the `serve` extra)
+
+    serve_verb(argv)
+
+
 VERBS = {"tokenizer": _tokenizer_verb, "convert": _convert_verb, "generate": generate_verb, "chat": chat_verb,
-         "sweep": sweep_verb}
+         "sweep": sweep_verb, "serve": _serve_verb}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "astrai_pl"
 # Top to bottom; a module may import its own layer and the layers below. "" is astrai_pl/__init__.py.
 LAYERS = (
     ("cli", "demo", "sweep", "config_reference"),  # entry points
-    ("commands",),  # generate / chat
+    ("commands", "serve"),  # generate / chat, and the HTTP server
     ("callbacks",),  # side concerns of a training run
     ("objectives",),  # the LightningModules
     ("parallel",),  # configure_model: FSDP2, tensor parallel, activation checkpointing, compile

@@ -1,0 +1,85 @@
+"""`astrai-pl serve`: the OpenAI-compatible HTTP server on a model directory or checkpoint.
+
+    astrai-pl serve --model hf_dir/ --port 8000
+    astrai-pl serve --model base_hf_dir/ --adapter lora_adapter/ --api-key "$KEY" --max-queue 64
+
+SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for --graceful-timeout
+seconds, aborts the rest, stops the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+from ..commands import USER_ERRORS, _add_model_arguments, load_engine
+from .app import create_app
+from .state import ServerState
+
+
+def _at_least(low: int | float, kind=int):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} is below {low}")
+        return value
+
+    return parse
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="astrai-pl serve",
+        description="Serve a model over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, "
+                    "plus /health and /metrics.")
+    _add_model_arguments(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    group.add_argument("--port", type=_at_least(0), default=8000)
+    group.add_argument("--api-key", default=os.environ.get("ASTRAI_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ASTRAI_API_KEY)")
+    group.add_argument("--max-queue", type=_at_least(1), default=None,
+                       help="most generation requests in flight at once; more get HTTP 429 (default: no limit)")
+    group.add_argument("--max-model-len", type=_at_least(2), default=None,
+                       help="longest prompt + completion served, in tokens (default: the engine's context)")
+    group.add_argument("--served-model-name", default=None,
+                       help="the model id clients pass as 'model' (default: the --model path's name)")
+    group.add_argument("--graceful-timeout", type=_at_least(0, float), default=30.0,
+                       help="seconds requests in flight may take to finish on shutdown before they are aborted")
+    return parser
+
+
+def _ignore(signum, frame) -> None:
+    """uvicorn raises the signal it shut down on once more; with this handler that ends nothing."""
+
+
+def serve_verb(argv: list[str]) -> None:
+    """`astrai-pl serve`: build the engine, serve it until SIGTERM or Ctrl-C."""
+    import uvicorn
+
+    ns = serve_parser().parse_args(argv)
+    try:
+        engine, tokenizer, eos_ids = load_engine(ns)
+    except USER_ERRORS as err:
+        raise SystemExit(f"astrai-pl serve: {err}") from None
+    name = ns.served_model_name or Path(ns.model).resolve().name
+    state = ServerState(engine, tokenizer, name, api_key=ns.api_key or None, max_queue=ns.max_queue,
+                        max_model_len=ns.max_model_len, stop_token_ids=eos_ids)
+    config = uvicorn.Config(create_app(state), host=ns.host, port=ns.port, lifespan="on",
+                            timeout_graceful_shutdown=ns.graceful_timeout, log_level="info")
+    server = uvicorn.Server(config)
+    signal.signal(signal.SIGTERM, _ignore)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C, or the one uvicorn raises again after shutting down
+        pass
+    finally:
+        state.abort_all()
+        engine.stop()
+    if not server.started:
+        raise SystemExit(f"astrai-pl serve: could not listen on {ns.host}:{ns.port} (see the log above)")

@@ -1,0 +1,447 @@
+"""OpenAI request bodies into engine calls, and engine results into OpenAI's response and stream-chunk shapes.
+
+    call = completion_call(body, state)      # or chat_call: prompts (ids), SamplingParams, how to answer
+    call.response(completions)               # {"object": "text_completion", "choices": [...], "usage": {...}}
+    call.chunks(index, delta, completion)    # stream chunks for one delta of choice `index`
+
+A known field of the wrong type is refused (400, `param` naming it); fields OpenAI has and this server has
+no use for are ignored (`user`, `service_tier`, `store`, …); ones whose effect it cannot give are refused
+rather than silently dropped (`logit_bias`, `suffix`, `best_of`, tools, JSON output). Choice i of prompt p
+is choice p·n + i, as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..commands import chat_ids
+from ..inference import Completion, Delta, SamplingParams, SamplingParamsError
+from ..tokenizer import TokenizerError
+from .errors import APIError, bad_request, from_sampling_error, from_validation_errors
+
+MAX_TOP_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields both routes share; `stop` and `stop_token_ids` are checked by SamplingParams."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: Any = None
+    stop_token_ids: Any = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatRequest(_SamplingFields):
+    messages: Any = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+
+
+def parse_body(raw: dict, model: type[BaseModel]) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        raise from_validation_errors(err.errors()) from None
+
+
+# -- request → engine ---------------------------------------------------------------------------------------
+def _is_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+def completion_prompts(prompt, tokenizer) -> tuple[list[list[int]], list[str | None]]:
+    """Each prompt's ids, and its text when it came as text (None for ids)."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)], [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [tokenizer.encode(p) for p in prompt], list(prompt)
+        if all(_is_id(t) for t in prompt):
+            return [list(prompt)], [None]
+        if all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
+            return [list(p) for p in prompt], [None] * len(prompt)
+    raise bad_request(f"'prompt' must be {PROMPT_SHAPES}", "prompt")
+
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def chat_messages(messages) -> list[dict[str, str]]:
+    """The conversation as {"role", "content": str} messages; text content parts are joined."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array of {\"role\", \"content\"} objects", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
+        role = message.get("role")
+        if role in ("tool", "function"):
+            raise bad_request(f"'{where}.role' is {role!r}: tool calls are not supported by this server", f"{where}.role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {str(role)[:40]!r}",
+                              f"{where}.role")
+        if message.get("tool_calls"):
+            raise bad_request(f"'{where}.tool_calls': tool calls are not supported by this server",
+                              f"{where}.tool_calls")
+        out.append({"role": CHAT_ROLES[role], "content": _content_text(message.get("content"), where)})
+    return out
+
+
+def _content_text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad_request(f"'{where}.content[{j}]' must be {{\"type\": \"text\", \"text\": str}}, got "
+                                  f"{str(kind)[:40]!r}: this server takes text only", f"{where}.content[{j}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"'{where}.content' must be a string or an array of text parts", f"{where}.content")
+
+
+def max_new_tokens(requested: int | None, prompt_len: int, context: int, default: int | None, param: str,
+                   prompt_param: str) -> int | None:
+    """The completion's length limit: `requested` if it fits beside the prompt in `context`, else a 400.
+
+    None requested: `default`, cut to the room left (or all of it). Values SamplingParams refuses pass on."""
+    if prompt_len >= context:
+        raise bad_request(f"the prompt has {prompt_len} tokens, the context holds {context} (prompt and "
+                          "completion together); shorten the prompt", prompt_param)
+    room = context - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise bad_request(f"'{param}'={requested} and the prompt's {prompt_len} tokens need {requested + prompt_len}, "
+                          f"the context holds {context}; ask for at most {room} tokens", param)
+    return requested
+
+
+def _has_param(name: str) -> bool:
+    return name in SamplingParams.__dataclass_fields__
+
+
+def _refuse_unsupported(body: _SamplingFields) -> None:
+    if body.logit_bias:
+        raise bad_request("'logit_bias' is not supported by this server; leave it out", "logit_bias")
+
+
+def sampling_params(body: _SamplingFields, max_tokens: int | None, extra_stop_ids: list[int],
+                    logprobs: bool, top_logprobs: int, names: dict[str, str], **more) -> SamplingParams:
+    """SamplingParams from the request's fields (OpenAI's defaults where left out); a refusal names the field."""
+    given = {
+        "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty, "seed": body.seed, "n": body.n,
+        "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
+        "top_k": 0 if body.top_k == -1 else body.top_k,  # vLLM's -1: no top-k
+        "stop": [] if body.stop is None else body.stop,
+    }
+    fields = {k: v for k, v in given.items() if v is not None}
+    stop_ids = [] if body.stop_token_ids is None else body.stop_token_ids
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        param = names.get("top_logprobs", "top_logprobs")
+        raise bad_request(f"'{param}'={top_logprobs} must lie in [0, {MAX_TOP_LOGPROBS}]", param)
+    if top_logprobs:
+        if not _has_param("top_logprobs"):
+            raise bad_request("top log-probability alternatives are not supported by this engine; ask for 0",
+                              names.get("top_logprobs", "top_logprobs"))
+        fields["top_logprobs"] = top_logprobs
+    for name, value in more.items():
+        if value is not None:
+            if not _has_param(name):
+                raise bad_request(f"{name} is not supported by this engine", names.get(name, name))
+            fields[name] = value
+    try:
+        params = SamplingParams(**fields, logprobs=logprobs, stop_token_ids=stop_ids)
+        if isinstance(stop_ids, list):  # the model's extra end ids, after the request's are checked
+            params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *extra_stop_ids]))
+        return params
+    except SamplingParamsError as err:
+        raise from_sampling_error(err, names) from None
+
+
+# -- engine → response --------------------------------------------------------------------------------------
+def usage(prompts: list[list[int]], completions: list[Completion]) -> dict:
+    """Token counts; each prompt counted once, its cached tokens those of its first sample."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    generated = sum(len(c.token_ids) for c in completions)
+    cached = sum(c.cached_tokens for c in completions if c.index == 0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+@dataclass
+class TokenLogprobs:
+    """Per token: its id, its log-probability (None: the first prompt token), and the best alternatives."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    alternatives: list[list[tuple[int, float]] | None] = field(default_factory=list)
+
+
+def generated_logprobs(ids: list[int], logprobs, top) -> TokenLogprobs:
+    """The log-probabilities of `ids` (engine lists; `top` may be None when no alternatives were asked)."""
+    logprobs = list(logprobs or [])[: len(ids)]
+    alternatives = list(top) if top else [[] for _ in ids]
+    return TokenLogprobs(list(ids[: len(logprobs)]), logprobs, alternatives[: len(logprobs)])
+
+
+def prompt_token_logprobs(ids: list[int], prompt_logprobs) -> TokenLogprobs:
+    entries = list(prompt_logprobs or [None] * len(ids))
+    return TokenLogprobs(list(ids), [None if e is None else e[0] for e in entries],
+                         [None if e is None else list(e[1]) for e in entries])
+
+
+class Call:
+    """One parsed request: the prompts' ids, the SamplingParams, and how to shape what comes back."""
+
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, state, body: _SamplingFields, prompts: list[list[int]], params: SamplingParams):
+        self.tokenizer, self.model, self.prompts, self.params = state.tokenizer, state.model_name, prompts, params
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.stream = bool(body.stream)
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream_options is not None and not self.stream:
+            raise bad_request("'stream_options' needs \"stream\": true", "stream_options")
+        self.sent = [0] * (len(prompts) * params.n)  # per choice: tokens whose logprobs were streamed
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def envelope(self, object: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, completions: list[Completion]) -> dict:
+        """The whole answer; `completions` in choice order."""
+        body = self.envelope(self.object, [self.choice(i, c) for i, c in enumerate(completions)])
+        body["usage"] = usage(self.prompts, completions)
+        return body
+
+    def chunk(self, choices: list[dict]) -> dict:
+        body = self.envelope(self.chunk_object, choices)
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, completions: list[Completion]) -> dict:
+        return {**self.envelope(self.chunk_object, []), "usage": usage(self.prompts, completions)}
+
+    def delta_logprobs(self, index: int, delta: Delta) -> TokenLogprobs | None:
+        """The log-probabilities of the tokens a delta brings (the engine's per-delta lists, or what the
+        final completion holds beyond those streamed so far)."""
+        if not self.params.logprobs:
+            return None
+        per_token = getattr(delta, "logprobs", None)
+        if per_token is not None:
+            found = generated_logprobs(delta.token_ids, per_token, getattr(delta, "top_logprobs", None))
+        elif delta.completion is not None:
+            c, start = delta.completion, self.sent[index]
+            found = generated_logprobs(c.token_ids[start:], (c.logprobs or [])[start:],
+                                       (getattr(c, "top_logprobs", None) or [])[start:])
+        else:
+            return TokenLogprobs()
+        self.sent[index] += len(found.ids)
+        return found
+
+
+class CompletionCall(Call):
+    object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl"
+
+    def __init__(self, state, body: CompletionRequest, prompts, texts, params: SamplingParams, top: int | None):
+        super().__init__(state, body, prompts, params)
+        self.texts, self.echo, self.top = texts, bool(body.echo), top
+        self.offsets = [0] * len(self.sent)  # per choice: characters sent so far (text_offset)
+
+    def prompt_text(self, p: int) -> str:
+        text = self.texts[p]
+        return self.tokenizer.decode(self.prompts[p]) if text is None else text
+
+    def logprobs_body(self, entries: TokenLogprobs, offset: int) -> dict:
+        tokens = [self.token_text(t) for t in entries.ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        tops = None if not self.top else [
+            None if alts is None else {self.token_text(t): lp for t, lp in alts} for alts in entries.alternatives]
+        return {"tokens": tokens, "token_logprobs": entries.logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def choice(self, index: int, c: Completion) -> dict:
+        p = index // self.params.n
+        text, logprobs = c.text, None
+        if self.echo:
+            text = self.prompt_text(p) + text
+        if self.params.logprobs:
+            entries = generated_logprobs(c.token_ids, c.logprobs, getattr(c, "top_logprobs", None))
+            if self.echo:
+                head = prompt_token_logprobs(self.prompts[p], getattr(c, "prompt_logprobs", None))
+                entries = TokenLogprobs(head.ids + entries.ids, head.logprobs + entries.logprobs,
+                                        head.alternatives + entries.alternatives)
+            logprobs = self.logprobs_body(entries, 0)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def opening_chunks(self) -> list[dict]:
+        """With echo, each choice's first chunk is its prompt (its logprobs come with the completion's end)."""
+        if not self.echo:
+            return []
+        chunks = []
+        for index in range(len(self.sent)):
+            text = self.prompt_text(index // self.params.n)
+            self.offsets[index] = len(text)
+            chunks.append(self.chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}]))
+        return chunks
+
+    def chunks(self, index: int, delta: Delta) -> list[dict]:
+        entries = self.delta_logprobs(index, delta)
+        logprobs = None if entries is None else self.logprobs_body(entries, self.offsets[index])
+        self.offsets[index] += len(delta.text)
+        return [self.chunk([{"index": index, "text": delta.text, "logprobs": logprobs,
+                             "finish_reason": delta.finish_reason}])]
+
+
+class ChatCall(Call):
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def __init__(self, state, body: ChatRequest, prompts, params: SamplingParams, top: int):
+        super().__init__(state, body, prompts, params)
+        self.top = top
+
+    def logprobs_body(self, entries: TokenLogprobs) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts or []][: self.top]}
+                   for t, lp, alts in zip(entries.ids, entries.logprobs, entries.alternatives)]
+        return {"content": content, "refusal": None}
+
+    def choice(self, index: int, c: Completion) -> dict:
+        logprobs = None
+        if self.params.logprobs:
+            logprobs = self.logprobs_body(generated_logprobs(c.token_ids, c.logprobs, getattr(c, "top_logprobs", None)))
+        return {"index": index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def opening_chunks(self) -> list[dict]:
+        """Each choice's stream opens with the assistant role."""
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for i in range(len(self.sent))]
+
+    def chunks(self, index: int, delta: Delta) -> list[dict]:
+        entries = self.delta_logprobs(index, delta)
+        logprobs = None if entries is None else self.logprobs_body(entries)
+        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        return [self.chunk([{"index": index, "delta": content, "logprobs": logprobs,
+                             "finish_reason": delta.finish_reason}])]
+
+
+# -- the two routes' parsing --------------------------------------------------------------------------------
+def completion_call(raw: dict, state) -> CompletionCall:
+    body = parse_body(raw, CompletionRequest)
+    state.check_model(body.model)
+    _refuse_unsupported(body)
+    if body.suffix:
+        raise bad_request("'suffix' (insertion) is not supported by this server; leave it out", "suffix")
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise bad_request("'best_of' is not supported by this server; ask for n completions instead", "best_of")
+    if body.prompt is None:
+        raise bad_request(f"'prompt' is required: {PROMPT_SHAPES}", "prompt")
+    prompts, texts = completion_prompts(body.prompt, state.tokenizer)
+    longest = max(prompts, key=len)
+    max_tokens = max_new_tokens(body.max_tokens, len(longest), state.context_len, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                "max_tokens", "prompt")
+    top = body.logprobs
+    if top is not None and top < 0:
+        raise bad_request(f"'logprobs'={top} must lie in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+    wants = top is not None
+    echo_logprobs = top if body.echo and wants else None
+    params = sampling_params(body, max_tokens, state.stop_token_ids, wants, top or 0,
+                             {"top_logprobs": "logprobs", "prompt_logprobs": "echo"}, prompt_logprobs=echo_logprobs)
+    return CompletionCall(state, body, prompts, texts, params, top)
+
+
+def chat_call(raw: dict, state) -> ChatCall:
+    body = parse_body(raw, ChatRequest)
+    state.check_model(body.model)
+    _refuse_unsupported(body)
+    if body.tools or body.functions:
+        param = "tools" if body.tools else "functions"
+        raise bad_request(f"'{param}': tool calling is not supported by this server; leave it out", param)
+    if body.tool_choice not in (None, "none"):
+        raise bad_request("'tool_choice': tool calling is not supported by this server", "tool_choice")
+    kind = (body.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise bad_request(f"'response_format' {{\"type\": {str(kind)[:40]!r}}} is not supported: this server has no "
+                          "constrained decoding; use {\"type\": \"text\"} and ask for JSON in the prompt",
+                          "response_format")
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
+    messages = chat_messages(body.messages)
+    if state.tokenizer.chat_template is None:
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    try:
+        ids = chat_ids(state.tokenizer, messages)
+    except TokenizerError as err:
+        raise bad_request(str(err), "messages") from None
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = max_new_tokens(requested, len(ids), state.context_len, None, param, "messages")
+    params = sampling_params(body, max_tokens, state.stop_token_ids, bool(body.logprobs), body.top_logprobs or 0,
+                             {"max_tokens": param})
+    return ChatCall(state, body, [ids], params, body.top_logprobs or 0)
+
+
+def raise_for_finish(completions: list[Completion | None]) -> None:
+    """An aborted sample (the server is shutting down) is a 503; the others are answered."""
+    if any(c is None or c.finish_reason == "abort" for c in completions):
+        raise APIError(503, "the request was aborted: the server is shutting down; retry", type="server_error")
