@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..inference import CapacityError, Completion, Delta, InferenceError, PromptError, RequestError
+from ..inference import CapacityError, Completion, Delta, InferenceError, PromptError, RequestError, RequestHandle
 from ..jsonl import NotUtf8, UnreadableJson, decode_utf8, parse_json
 from .errors import APIError, bad_request, error_body, install_error_handlers
 from .protocol import Call, chat_call, completion_call, raise_for_finish
@@ -41,10 +41,10 @@ class Generation:
         self.handles = []
         self.start = time.perf_counter()
         self.first_token: float | None = None
-        self.completions: list[Completion | None] = [None] * len(call.sent)
+        self.completions: list[Completion | None] = [None] * call.num_choices
         try:
             for ids in call.prompts:
-                self.handles.append(state.engine.submit(ids, call.params))
+                self.handles.append(self.submit(ids))
         except PromptError as err:
             self.close()
             raise bad_request(str(err), "prompt" if call.object == "text_completion" else "messages") from None
@@ -55,6 +55,10 @@ class Generation:
             self.close()
             raise
         state.handles.update(self.handles)
+
+    def submit(self, ids: list[int]) -> RequestHandle:
+        """Queue one prompt's request (a session's turn queues it on its session instead)."""
+        return self.state.engine.submit(ids, self.call.params)
 
     def close(self) -> None:
         """Abort whatever still runs, and count the tokens of what ended."""

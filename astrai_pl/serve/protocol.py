@@ -25,7 +25,6 @@ from ..inference import Completion, Delta, SamplingParams, SamplingParamsError
 from ..tokenizer import TokenizerError
 from .errors import APIError, bad_request, from_sampling_error, from_validation_errors
 
-MAX_TOP_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 
@@ -163,17 +162,13 @@ def max_new_tokens(requested: int | None, prompt_len: int, context: int, default
     return requested
 
 
-def _has_param(name: str) -> bool:
-    return name in SamplingParams.__dataclass_fields__
-
-
 def _refuse_unsupported(body: _SamplingFields) -> None:
     if body.logit_bias:
         raise bad_request("'logit_bias' is not supported by this server; leave it out", "logit_bias")
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int | None, extra_stop_ids: list[int],
-                    logprobs: bool, top_logprobs: int, names: dict[str, str], **more) -> SamplingParams:
+def sampling_params(body: _SamplingFields, max_tokens: int | None, extra_stop_ids: list[int], logprobs: bool,
+                    top_logprobs: int, names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the request's fields (OpenAI's defaults where left out); a refusal names the field."""
     given = {
         "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "min_p": body.min_p,
@@ -185,21 +180,9 @@ def sampling_params(body: _SamplingFields, max_tokens: int | None, extra_stop_id
     }
     fields = {k: v for k, v in given.items() if v is not None}
     stop_ids = [] if body.stop_token_ids is None else body.stop_token_ids
-    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        param = names.get("top_logprobs", "top_logprobs")
-        raise bad_request(f"'{param}'={top_logprobs} must lie in [0, {MAX_TOP_LOGPROBS}]", param)
-    if top_logprobs:
-        if not _has_param("top_logprobs"):
-            raise bad_request("top log-probability alternatives are not supported by this engine; ask for 0",
-                              names.get("top_logprobs", "top_logprobs"))
-        fields["top_logprobs"] = top_logprobs
-    for name, value in more.items():
-        if value is not None:
-            if not _has_param(name):
-                raise bad_request(f"{name} is not supported by this engine", names.get(name, name))
-            fields[name] = value
     try:
-        params = SamplingParams(**fields, logprobs=logprobs, stop_token_ids=stop_ids)
+        params = SamplingParams(**fields, logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+                                stop_token_ids=stop_ids)
         if isinstance(stop_ids, list):  # the model's extra end ids, after the request's are checked
             params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *extra_stop_ids]))
         return params
@@ -253,7 +236,7 @@ class Call:
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' needs \"stream\": true", "stream_options")
-        self.sent = [0] * (len(prompts) * params.n)  # per choice: tokens whose logprobs were streamed
+        self.num_choices = len(prompts) * params.n
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -276,22 +259,11 @@ class Call:
     def usage_chunk(self, completions: list[Completion]) -> dict:
         return {**self.envelope(self.chunk_object, []), "usage": usage(self.prompts, completions)}
 
-    def delta_logprobs(self, index: int, delta: Delta) -> TokenLogprobs | None:
-        """The log-probabilities of the tokens a delta brings (the engine's per-delta lists, or what the
-        final completion holds beyond those streamed so far)."""
+    def delta_logprobs(self, delta: Delta) -> TokenLogprobs | None:
+        """The log-probabilities of the tokens a delta brings, when asked for."""
         if not self.params.logprobs:
             return None
-        per_token = getattr(delta, "logprobs", None)
-        if per_token is not None:
-            found = generated_logprobs(delta.token_ids, per_token, getattr(delta, "top_logprobs", None))
-        elif delta.completion is not None:
-            c, start = delta.completion, self.sent[index]
-            found = generated_logprobs(c.token_ids[start:], (c.logprobs or [])[start:],
-                                       (getattr(c, "top_logprobs", None) or [])[start:])
-        else:
-            return TokenLogprobs()
-        self.sent[index] += len(found.ids)
-        return found
+        return generated_logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs)
 
 
 class CompletionCall(Call):
@@ -300,7 +272,7 @@ class CompletionCall(Call):
     def __init__(self, state, body: CompletionRequest, prompts, texts, params: SamplingParams, top: int | None):
         super().__init__(state, body, prompts, params)
         self.texts, self.echo, self.top = texts, bool(body.echo), top
-        self.offsets = [0] * len(self.sent)  # per choice: characters sent so far (text_offset)
+        self.offsets = [0] * self.num_choices  # per choice: characters sent so far (text_offset)
 
     def prompt_text(self, p: int) -> str:
         text = self.texts[p]
@@ -322,9 +294,9 @@ class CompletionCall(Call):
         if self.echo:
             text = self.prompt_text(p) + text
         if self.params.logprobs:
-            entries = generated_logprobs(c.token_ids, c.logprobs, getattr(c, "top_logprobs", None))
+            entries = generated_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
             if self.echo:
-                head = prompt_token_logprobs(self.prompts[p], getattr(c, "prompt_logprobs", None))
+                head = prompt_token_logprobs(self.prompts[p], c.prompt_logprobs)
                 entries = TokenLogprobs(head.ids + entries.ids, head.logprobs + entries.logprobs,
                                         head.alternatives + entries.alternatives)
             logprobs = self.logprobs_body(entries, 0)
@@ -335,14 +307,14 @@ class CompletionCall(Call):
         if not self.echo:
             return []
         chunks = []
-        for index in range(len(self.sent)):
+        for index in range(self.num_choices):
             text = self.prompt_text(index // self.params.n)
             self.offsets[index] = len(text)
             chunks.append(self.chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}]))
         return chunks
 
     def chunks(self, index: int, delta: Delta) -> list[dict]:
-        entries = self.delta_logprobs(index, delta)
+        entries = self.delta_logprobs(delta)
         logprobs = None if entries is None else self.logprobs_body(entries, self.offsets[index])
         self.offsets[index] += len(delta.text)
         return [self.chunk([{"index": index, "text": delta.text, "logprobs": logprobs,
@@ -368,17 +340,17 @@ class ChatCall(Call):
     def choice(self, index: int, c: Completion) -> dict:
         logprobs = None
         if self.params.logprobs:
-            logprobs = self.logprobs_body(generated_logprobs(c.token_ids, c.logprobs, getattr(c, "top_logprobs", None)))
+            logprobs = self.logprobs_body(generated_logprobs(c.token_ids, c.logprobs, c.top_logprobs))
         return {"index": index, "message": {"role": "assistant", "content": c.text, "refusal": None},
                 "logprobs": logprobs, "finish_reason": c.finish_reason}
 
     def opening_chunks(self) -> list[dict]:
         """Each choice's stream opens with the assistant role."""
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]) for i in range(len(self.sent))]
+                             "finish_reason": None}]) for i in range(self.num_choices)]
 
     def chunks(self, index: int, delta: Delta) -> list[dict]:
-        entries = self.delta_logprobs(index, delta)
+        entries = self.delta_logprobs(delta)
         logprobs = None if entries is None else self.logprobs_body(entries)
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         return [self.chunk([{"index": index, "delta": content, "logprobs": logprobs,
@@ -401,12 +373,10 @@ def completion_call(raw: dict, state) -> CompletionCall:
     max_tokens = max_new_tokens(body.max_tokens, len(longest), state.context_len, COMPLETIONS_DEFAULT_MAX_TOKENS,
                                 "max_tokens", "prompt")
     top = body.logprobs
-    if top is not None and top < 0:
-        raise bad_request(f"'logprobs'={top} must lie in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
     wants = top is not None
     echo_logprobs = top if body.echo and wants else None
     params = sampling_params(body, max_tokens, state.stop_token_ids, wants, top or 0,
-                             {"top_logprobs": "logprobs", "prompt_logprobs": "echo"}, prompt_logprobs=echo_logprobs)
+                             {"top_logprobs": "logprobs", "prompt_logprobs": "logprobs"}, echo_logprobs)
     return CompletionCall(state, body, prompts, texts, params, top)
 
 

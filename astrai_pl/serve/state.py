@@ -37,6 +37,8 @@ except ModuleNotFoundError as err:  # metrics.py not there yet: the same hooks, 
         def render(self) -> bytes:
             return b""
 
+        def watch(self, state) -> None: ...
+
 
 @dataclass(eq=False)
 class ServerState:
@@ -68,6 +70,7 @@ class ServerState:
             raise ValueError(f"max_model_len={self.max_model_len}: needs room for a prompt token and one more")
         if not self.engine.running:
             self.engine.start()
+        self.metrics.watch(self)  # the gauges read this state's engine and sessions at scrape time
 
     @property
     def context_len(self) -> int:
