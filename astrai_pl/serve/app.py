@@ -20,16 +20,24 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Match
 
-from ..inference import CapacityError, Completion, Delta, InferenceError, PromptError, RequestError, RequestHandle
+from ..inference import (
+    CapacityError,
+    Completion,
+    Delta,
+    InferenceError,
+    PromptError,
+    RequestError,
+    RequestHandle,
+)
 from ..jsonl import NotUtf8, UnreadableJson, decode_utf8, parse_json
-from .errors import APIError, bad_request, error_body, install_error_handlers
+from .errors import APIError, bad_request, error_body, install_error_handlers, internal_error
 from .protocol import Call, chat_call, completion_call, raise_for_finish
 from .state import ServerState
 
 MAX_BODY_BYTES = 32 * 2**20
 DISCONNECT_POLL_S = 0.1
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -214,11 +222,12 @@ async def read_json(request: Request) -> dict:
     return body
 
 
-async def generate(request: Request, state: ServerState, parse) -> Response:
+async def generate(request: Request, state: ServerState, parse, start=Generation) -> Response:
+    """Parse the body into a Call, submit it (`start`: a Generation or a session's turn) and answer."""
     call = parse(await read_json(request), state)
     state.admit()
     try:
-        generation = Generation(state, call)
+        generation = start(state, call)
     except BaseException:
         state.release()
         raise
@@ -232,16 +241,24 @@ async def generate(request: Request, state: ServerState, parse) -> Response:
 
 
 class MetricsMiddleware:
-    """Counts every HTTP request by route and status (a stream counts as finished when it ends)."""
+    """Counts every HTTP request by route and status (a stream counts as finished when it ends), and answers
+    an exception no handler took with a 500 in OpenAI's shape instead of dropping the connection."""
 
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
+    def __init__(self, app, state: ServerState, routes: list):
+        self.app, self.state, self.routes = app, state, routes
+
+    def route_of(self, scope) -> str:
+        """The path template of the route `scope` goes to ("/v1/sessions/{id}"), or "other": few label values."""
+        for route in self.routes:
+            if route.matches(scope)[0] != Match.NONE:  # PARTIAL: the path matches, the method does not
+                return route.path
+        return "other"
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
-        status = 500
+        route = self.route_of(scope)
+        status: int | None = None  # set once the response starts
 
         async def sending(message) -> None:
             nonlocal status
@@ -252,8 +269,12 @@ class MetricsMiddleware:
         self.state.metrics.request_started(route)
         try:
             await self.app(scope, receive, sending)
+        except Exception as err:
+            if status is not None:  # the response had started: nothing left to tell the client
+                raise
+            await internal_error(err)(scope, receive, sending)
         finally:
-            self.state.metrics.request_finished(route, status)
+            self.state.metrics.request_finished(route, 500 if status is None else status)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -266,7 +287,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="astrai_pl", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(MetricsMiddleware, state=state)
+    labelled: list = []  # every route, for the metrics' route labels (filled below)
+    app.add_middleware(MetricsMiddleware, state=state, routes=labelled)
 
     async def authorized(request: Request) -> None:
         state.check_key(request.headers.get("authorization"))
@@ -287,13 +309,15 @@ def create_app(state: ServerState) -> FastAPI:
         return await generate(request, state, chat_call)
 
     app.include_router(v1)
+    routers = [v1]
     try:
         from .sessions_api import sessions_router
     except ModuleNotFoundError as err:  # not there yet: the server runs without the /v1/sessions routes
         if err.name != f"{__package__}.sessions_api":
             raise
     else:
-        app.include_router(sessions_router(state))
+        routers.append(sessions_router(state))
+        app.include_router(routers[-1], dependencies=[Depends(authorized)])
 
     @app.get("/health")
     async def health() -> Response:
@@ -305,4 +329,5 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=PROMETHEUS_TEXT)
 
+    labelled += [r for router in (*routers, app.router) for r in router.routes if hasattr(r, "path")]
     return app
