@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..commands import USER_ERRORS, _add_model_arguments, load_engine
 from .app import create_app
+from .sessions_api import DEFAULT_MAX_SESSIONS, DEFAULT_MAX_TTL_S, DEFAULT_TTL_S, SessionStore
 from .state import ServerState
 
 
@@ -51,7 +52,23 @@ def serve_parser() -> argparse.ArgumentParser:
                        help="the model id clients pass as 'model' (default: the --model path's name)")
     group.add_argument("--graceful-timeout", type=_at_least(0, float), default=30.0,
                        help="seconds requests in flight may take to finish on shutdown before they are aborted")
+    sessions = parser.add_argument_group("sessions (/v1/sessions)")
+    sessions.add_argument("--max-sessions", type=_at_least(1), default=DEFAULT_MAX_SESSIONS,
+                          help="most live sessions at once; more get HTTP 429")
+    sessions.add_argument("--session-ttl", type=_positive, default=DEFAULT_TTL_S,
+                          help="seconds a session lives idle when its request names no 'ttl'")
+    sessions.add_argument("--max-session-ttl", type=_positive, default=DEFAULT_MAX_TTL_S,
+                          help="the longest 'ttl' a request may ask for, in seconds")
+    sessions.add_argument("--max-session-tokens", type=_at_least(1), default=None,
+                          help="KV tokens all sessions may pin together (default: half the pool)")
     return parser
+
+
+def _positive(text: str) -> float:
+    value = _at_least(0, float)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("0 is not positive")
+    return value
 
 
 def _ignore(signum, frame) -> None:
@@ -68,8 +85,13 @@ def serve_verb(argv: list[str]) -> None:
     except USER_ERRORS as err:
         raise SystemExit(f"astrai-pl serve: {err}") from None
     name = ns.served_model_name or Path(ns.model).resolve().name
+    try:
+        sessions = SessionStore(engine, ttl=ns.session_ttl, max_ttl=ns.max_session_ttl,
+                                max_sessions=ns.max_sessions, max_tokens=ns.max_session_tokens)
+    except ValueError as err:
+        raise SystemExit(f"astrai-pl serve: {err}") from None
     state = ServerState(engine, tokenizer, name, api_key=ns.api_key or None, max_queue=ns.max_queue,
-                        max_model_len=ns.max_model_len, stop_token_ids=eos_ids)
+                        max_model_len=ns.max_model_len, stop_token_ids=eos_ids, sessions=sessions)
     config = uvicorn.Config(create_app(state), host=ns.host, port=ns.port, lifespan="on",
                             timeout_graceful_shutdown=ns.graceful_timeout, log_level="info")
     server = uvicorn.Server(config)

@@ -1,0 +1,372 @@
+"""/v1/sessions: conversations whose K/V stay in the engine's pool between HTTP calls (engine `Session`s).
+
+    POST   /v1/sessions                        {"model"?, "messages"? (prefilled now), "ttl"?}: a new session
+    POST   /v1/sessions/{id}/chat/completions  OpenAI's chat completion; "messages" holds only the new turn(s)
+    POST   /v1/sessions/{id}/fork              a copy-on-write copy (full pages shared) that goes its own way
+    GET    /v1/sessions/{id}                   tokens, pages, bytes, expires_at
+    DELETE /v1/sessions/{id}                   closed now, its pages freed
+
+A turn renders the whole conversation (the stored messages, the new ones, the generation prompt) with the
+chat template. When the session's tokens are a prefix of that render — the usual case — only the rest is
+computed, and the reply is the one a stateless /v1/chat/completions on the whole conversation gives. When
+they are not (a reply's tokens differ from the template's rendering of its text: it ended on a stop string,
+which its tokens hold and its text does not, or its text encodes to other ids), the session keeps its own
+tokens and appends only the part of the render after the history's own render: the history is not computed
+again, and the prompt differs from a stateless request's in that reply. `cached_tokens` counts the tokens
+not computed again.
+
+Ids are `secrets.token_urlsafe` strings, only ever keys of a dict. An unknown, deleted or expired id is a
+404; a turn or fork while a turn runs on the session a 409; the store refuses (429) a session over
+`max_sessions`, or a turn or prefill that would make the sessions pin more than `max_tokens` of KV. A
+session idle for its TTL is closed and forgotten. A turn the client walks away from is aborted, and the
+session goes on from its history without it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict
+
+from ..commands import chat_ids
+from ..inference import CapacityError, Completion, InferenceError, PromptError, SamplingParams, Session
+from ..tokenizer import TokenizerError
+from .app import Generation, _engine_error, generate, read_json
+from .errors import APIError, bad_request
+from .protocol import chat_call, chat_messages, parse_body
+
+DEFAULT_TTL_S = 600.0
+DEFAULT_MAX_TTL_S = 3600.0
+DEFAULT_MAX_SESSIONS = 256
+
+
+class SessionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    messages: list | None = None
+    ttl: float | None = None
+
+
+def rendered(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    """The conversation's ids as the chat template gives them, BOS first (like `chat_ids`)."""
+    if generation_prompt:
+        return chat_ids(tokenizer, messages)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    bos = tokenizer.bos_token_id
+    return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class StoredSession:
+    """One conversation: its engine session, the messages and tokens of its finished turns, its lifetime."""
+
+    def __init__(self, store: SessionStore, session: Session, ttl: float, messages: list[dict]):
+        self.store, self.session, self.ttl = store, session, ttl
+        self.id = "sess_" + secrets.token_urlsafe(24)
+        self.created = int(time.time())
+        self.messages = messages
+        self.tokens: list[int] = list(session.tokens)
+        self.busy = False
+        self.reserved_pages = 0  # what a running turn may come to pin
+        self.closed = False
+
+    def conversation(self, render: list[int], tokenizer) -> list[int]:
+        """The ids the next turn continues from: `render` (the whole conversation templated) when the
+        history's tokens are a prefix of it, else the history's tokens and the part of `render` after the
+        history's own render (see the module's docstring)."""
+        if render[: len(self.tokens)] == self.tokens:
+            return render
+        base = rendered(tokenizer, self.messages, generation_prompt=False)
+        return self.tokens + render[_common_prefix(render, base):]
+
+    def settle(self, new: list[dict], completion: Completion | None) -> None:
+        """After a turn: a finished reply joins the history; a turn that did not finish leaves none of its
+        tokens behind (an aborted turn hands what it computed to the session, which starts again from the
+        history: its full pages are still in the prefix cache)."""
+        self.busy, self.reserved_pages = False, 0
+        if self.closed:
+            return
+        if completion is not None and completion.finish_reason in ("stop", "length"):
+            self.messages = [*self.messages, *new, {"role": "assistant", "content": completion.text}]
+            self.tokens = list(self.session.tokens)
+        elif self.session.tokens != self.tokens:
+            self.session.close()
+            self.session = self.store.engine.session(self.ttl)
+        self.session.touch()
+
+    def due(self) -> bool:
+        return not self.busy and (self.session.expired or self.session.due())
+
+    def describe(self) -> dict:
+        memory = self.session.memory()
+        left = 0.0 if self.session.expires_at is None else self.session.expires_at - time.monotonic()
+        return {"id": self.id, "object": "session", "created": self.created,
+                "expires_at": int(time.time() + max(0.0, left)), "tokens": len(self.tokens),
+                "cached_tokens": memory.cached_tokens, "pages": memory.pages,
+                "shared_pages": memory.shared_pages, "bytes": memory.bytes, "messages": len(self.messages)}
+
+
+class SessionStore:
+    """The live sessions of a server, by id, and their limits.
+
+    ttl: seconds a session lives idle when the request names none; max_ttl: the most a request may ask.
+    max_sessions: live sessions at once. max_tokens: KV tokens (counted in whole pages) all sessions may
+    pin together (default: half the pool, so stateless requests keep room).
+    """
+
+    def __init__(self, engine, ttl: float = DEFAULT_TTL_S, max_ttl: float = DEFAULT_MAX_TTL_S,
+                 max_sessions: int = DEFAULT_MAX_SESSIONS, max_tokens: int | None = None):
+        if not 0 < ttl <= max_ttl:
+            raise ValueError(f"the session TTL {ttl} s must be positive and at most the maximum TTL {max_ttl} s "
+                             "(--session-ttl, --max-session-ttl)")
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions={max_sessions}: allow at least one session (--max-sessions)")
+        self.engine, self.ttl, self.max_ttl, self.max_sessions = engine, ttl, max_ttl, max_sessions
+        usage = engine.usage()
+        total = usage.total * usage.page_size
+        self.max_pages = (total // 2 if max_tokens is None else min(max_tokens, total)) // usage.page_size
+        if self.max_pages < 1:
+            raise ValueError(f"max_tokens={max_tokens} is below one KV page of {usage.page_size} tokens "
+                             "(--max-session-tokens); raise it")
+        self._sessions: dict[str, StoredSession] = {}
+
+    def live(self) -> int:
+        self.sweep()
+        return len(self._sessions)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def sweep(self) -> None:
+        """Close and forget every session idle past its TTL."""
+        for stored in [s for s in self._sessions.values() if s.due()]:
+            self.close(stored.id)
+
+    def get(self, session_id: str) -> StoredSession:
+        self.sweep()
+        stored = self._sessions.get(session_id)
+        if stored is None:
+            raise APIError(404, f"no session '{session_id[:80]}': it expired, was deleted or never existed; "
+                                "start one with POST /v1/sessions", param="session_id",
+                           code="session_not_found")
+        return stored
+
+    def idle(self, session_id: str) -> StoredSession:
+        """The session, refused (409) while a turn runs on it."""
+        stored = self.get(session_id)
+        if stored.busy:
+            raise APIError(409, f"session '{session_id}' is answering another turn; wait for it to finish, "
+                                "or fork the session when it is idle to branch", param="session_id",
+                           code="session_busy")
+        return stored
+
+    def ttl_for(self, requested: float | None) -> float:
+        if requested is None:
+            return self.ttl
+        if not 0 < requested <= self.max_ttl:
+            raise bad_request(f"'ttl'={requested} must be positive seconds and at most {self.max_ttl} "
+                              "(the server's --max-session-ttl)", "ttl")
+        return float(requested)
+
+    def pinned_pages(self, without: StoredSession | None = None) -> int:
+        """Pages the sessions hold (each shared page once) and what their running turns may come to hold."""
+        held: set[int] = set()
+        reserved = 0
+        for stored in self._sessions.values():
+            if stored is without:
+                continue
+            held.update(stored.session.pages)
+            reserved += stored.reserved_pages
+        return len(held) + reserved
+
+    def reserve(self, stored: StoredSession | None, tokens: int) -> int:
+        """The pages a session of `tokens` tokens needs, refused (429) when they would pass the limit."""
+        need = -(-tokens // self.engine.page_size)
+        pinned = self.pinned_pages(without=stored)
+        if pinned + need > self.max_pages:
+            ps = self.engine.page_size
+            raise APIError(429, f"sessions pin {pinned * ps} tokens of KV and this needs {need * ps} more, "
+                                f"over the server's {self.max_pages * ps} (--max-session-tokens); delete "
+                                "sessions you no longer need (DELETE /v1/sessions/{id}) or retry later",
+                           type="rate_limit_error", code="session_memory_full")
+        return need
+
+    def _check_count(self) -> None:
+        self.sweep()
+        if len(self._sessions) >= self.max_sessions:
+            raise APIError(429, f"{len(self._sessions)} sessions are live, the server keeps at most "
+                                f"{self.max_sessions} (--max-sessions); delete sessions you no longer need "
+                                "(DELETE /v1/sessions/{id}) or retry later", type="rate_limit_error",
+                           code="too_many_sessions")
+
+    def open(self, ttl: float, messages: list[dict], warm: list[int]) -> StoredSession:
+        self._check_count()
+        self.reserve(None, len(warm))
+        stored = StoredSession(self, self.engine.session(ttl), ttl, messages)
+        self._sessions[stored.id] = stored
+        return stored
+
+    def fork(self, stored: StoredSession) -> StoredSession:
+        self._check_count()
+        self.reserve(None, self.engine.page_size if stored.session.pages else 0)  # the partial page's copy
+        try:
+            session = stored.session.fork()
+        except CapacityError as err:
+            raise APIError(429, f"cannot fork: {err}; retry later", type="rate_limit_error",
+                           code="kv_pool_full") from None
+        child = StoredSession(self, session, stored.ttl, list(stored.messages))
+        self._sessions[child.id] = child
+        return child
+
+    def close(self, session_id: str) -> None:
+        stored = self._sessions.pop(session_id, None)
+        if stored is not None:
+            stored.closed = True
+            stored.session.close()
+
+    def close_all(self) -> None:
+        for session_id in list(self._sessions):
+            self.close(session_id)
+
+
+class SessionTurn(Generation):
+    """A chat completion on a stored session: the new ids go to its engine session, and the reply joins
+    its history as soon as the last token is in (before the response or the stream's end is sent)."""
+
+    def __init__(self, state, call, stored: StoredSession, new: list[dict], need: int):
+        self.stored, self.new, self.settled = stored, new, False
+        stored.busy, stored.reserved_pages = True, need
+        super().__init__(state, call)
+
+    def submit(self, ids: list[int]):
+        held = self.stored.session.tokens
+        assert ids[: len(held)] == held, "a turn continues its session's tokens"
+        return self.stored.session.submit(ids[len(held):], self.call.params)
+
+    async def events(self):
+        async for item in super().events():
+            yield item
+        self.settle()
+
+    def settle(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self.stored.settle(self.new, self.completions[0])
+
+    def close(self) -> None:
+        super().close()
+        self.settle()
+
+
+def _turn_parser(store: SessionStore, session_id: str, box: dict):
+    """The chat_call parser for a turn: the stored conversation, then the body's messages."""
+
+    def parse(raw: dict, state):
+        stored = store.idle(session_id)
+        new = chat_messages(raw.get("messages"))
+        call = chat_call({**raw, "messages": [*stored.messages, *new]}, state)
+        if call.params.n != 1:
+            raise bad_request(f"'n'={call.params.n}: a session continues one conversation; fork it "
+                              "(POST /v1/sessions/{id}/fork) for each branch", "n")
+        ids = stored.conversation(call.prompts[0], state.tokenizer)
+        call.prompts = [ids]
+        need = store.reserve(stored, min(len(ids) + call.params.max_tokens, state.context_len))
+        box.update(stored=stored, new=new, need=need)
+        return call
+
+    return parse
+
+
+def _warm_ids(state, messages) -> tuple[list[dict], list[int]]:
+    """A new session's opening messages and their ids (no generation prompt: the first turn adds it)."""
+    if messages is None:
+        return [], []
+    checked = chat_messages(messages)
+    if state.tokenizer.chat_template is None:
+        raise bad_request("this model's tokenizer has no chat template; sessions need one", "messages")
+    try:
+        ids = rendered(state.tokenizer, checked, generation_prompt=False)
+    except TokenizerError as err:
+        raise bad_request(str(err), "messages") from None
+    if len(ids) >= state.context_len:
+        raise bad_request(f"'messages' render to {len(ids)} tokens, the context holds {state.context_len}; "
+                          "shorten them", "messages")
+    return checked, ids
+
+
+async def _prefill(state, stored: StoredSession, ids: list[int]) -> None:
+    """Compute a new session's opening ids now (a prefill-only turn), off the event loop's thread."""
+    state.admit()
+    stored.busy = True
+    try:
+        handle = stored.session.submit(ids, SamplingParams(max_tokens=0))
+        try:
+            await handle.result_async()
+        finally:
+            if not handle.done:
+                handle.abort()
+    except (PromptError, CapacityError) as err:
+        raise bad_request(str(err), "messages") from None
+    except InferenceError as err:
+        raise _engine_error(err) from None
+    finally:
+        state.release()
+        stored.busy = False
+    stored.tokens = list(stored.session.tokens)
+    stored.session.touch()
+
+
+def sessions_router(state) -> APIRouter:
+    """The /v1/sessions routes over `state` (its store on `state.sessions`, made with defaults if unset)."""
+    if state.sessions is None:
+        state.sessions = SessionStore(state.engine)
+    store: SessionStore = state.sessions
+    router = APIRouter(prefix="/v1/sessions")  # create_app puts it behind the API key like every /v1 route
+
+    @router.post("")
+    async def create(request: Request) -> dict:
+        body = parse_body(await read_json(request), SessionRequest)
+        state.check_model(body.model)
+        ttl = store.ttl_for(body.ttl)
+        messages, ids = _warm_ids(state, body.messages)
+        stored = store.open(ttl, messages, ids)
+        if ids:
+            try:
+                await _prefill(state, stored, ids)
+            except BaseException:
+                store.close(stored.id)
+                raise
+        return stored.describe()
+
+    @router.get("/{session_id}")
+    async def describe(session_id: str) -> dict:
+        return store.get(session_id).describe()
+
+    @router.delete("/{session_id}")
+    async def delete(session_id: str) -> dict:
+        store.get(session_id)
+        store.close(session_id)
+        return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+    @router.post("/{session_id}/fork")
+    async def fork(session_id: str) -> dict:
+        return store.fork(store.idle(session_id)).describe()
+
+    @router.post("/{session_id}/chat/completions")
+    async def turn(session_id: str, request: Request) -> Response:
+        box: dict = {}
+        return await generate(request, state, _turn_parser(store, session_id, box),
+                              start=lambda st, call: SessionTurn(st, call, **box))
+
+    return router
