@@ -115,3 +115,12 @@ def test_sigterm_lets_a_stream_finish_then_exits_0(model_dir):
             server.kill()
             server.wait()
         server.stderr.close()
+
+
+def test_health_is_503_while_the_engine_loop_is_stopped(http, engine):
+    engine.stop()
+    try:
+        assert http.get("/health").status_code == 503
+    finally:
+        engine.start()
+    assert http.get("/health").status_code == 200

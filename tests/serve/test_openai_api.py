@@ -2,11 +2,13 @@
 
 import asyncio
 
+import openai
 import pytest
-from conftest import MODEL
+from conftest import MODEL, TIMEOUT, running
 
 from astrai_pl.commands import chat_ids
 from astrai_pl.inference import SamplingParams
+from astrai_pl.serve.state import ServerState
 
 PROMPTS = ["Once upon a time", "The capital of France is"]
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -175,3 +177,22 @@ def test_models_lists_the_served_model(client, state):
     [model] = client.models.list().data
     assert model.id == MODEL and model.object == "model"
     assert model.model_extra["max_model_len"] == state.context_len
+
+
+def test_fields_openai_has_and_the_server_needs_not_are_ignored(client, engine, tokenizer):
+    [reference] = offline(engine, [chat_ids(tokenizer, USER)], max_tokens=4, temperature=0)
+    out = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, temperature=0, user="u-1",
+                                         response_format={"type": "text"}, store=False, tool_choice="none",
+                                         extra_body={"some_future_field": {"x": 1}})
+    assert out.choices[0].message.content == reference.text
+
+
+def test_the_models_extra_end_ids_end_a_completion(engine, tokenizer):
+    [full] = offline(engine, PROMPTS[:1], max_tokens=8, temperature=0)
+    end = full.token_ids[3]
+    state = ServerState(engine, tokenizer, MODEL, stop_token_ids=[end])
+    with running(state) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    first = full.token_ids.index(end)
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == first + 1
