@@ -69,8 +69,8 @@ class Metrics:
         self._prompt = Counter("astrai_prompt_tokens", "prompt tokens of finished generation requests",
                                registry=self.registry)
         self._generated = Counter("astrai_generation_tokens", "tokens generated", registry=self.registry)
-        self._cached = Counter("astrai_prefix_cache_hit_tokens", "prompt tokens not computed again (prefix cache "
-                               "or session)", registry=self.registry)
+        self._cached = Counter("astrai_prefix_cache_hit_tokens", "prompt tokens not computed again (prefix "
+                               "cache or session)", registry=self.registry)
         self._ttft = Histogram("astrai_time_to_first_token_seconds", "from a request's arrival to its first "
                                "token", buckets=TTFT_BUCKETS, registry=self.registry)
         self._itl = Histogram("astrai_inter_token_latency_seconds", "between consecutive tokens of one "

@@ -128,8 +128,8 @@ class SessionStore:
     def __init__(self, engine, ttl: float = DEFAULT_TTL_S, max_ttl: float = DEFAULT_MAX_TTL_S,
                  max_sessions: int = DEFAULT_MAX_SESSIONS, max_tokens: int | None = None):
         if not 0 < ttl <= max_ttl:
-            raise ValueError(f"the session TTL {ttl} s must be positive and at most the maximum TTL {max_ttl} s "
-                             "(--session-ttl, --max-session-ttl)")
+            raise ValueError(f"the session TTL {ttl} s must be positive and at most the maximum TTL "
+                             f"{max_ttl} s (--session-ttl, --max-session-ttl)")
         if max_sessions < 1:
             raise ValueError(f"max_sessions={max_sessions}: allow at least one session (--max-sessions)")
         self.engine, self.ttl, self.max_ttl, self.max_sessions = engine, ttl, max_ttl, max_sessions

@@ -1,0 +1,165 @@
+"""The server under load: many clients at once on a real uvicorn server (loopback, a thread of this process),
+mixed prompt lengths, streaming and not, some walking away mid-stream. Nothing may fail with a 5xx, every
+finished greedy answer must equal `Engine.generate` on the same prompt, the pool's books must balance and
+come back to idle, and memory must not grow from one round to the next."""
+
+import asyncio
+import gc
+import json
+import random
+import time
+
+import httpx
+import pytest
+from conftest import MODEL, TIMEOUT, running
+
+from astrai_pl.commands import chat_ids
+from astrai_pl.inference import Engine, RequestHandle, SamplingParams
+from astrai_pl.inference.request import Request
+from astrai_pl.model import Transformer
+from astrai_pl.serve.state import ServerState
+
+ROUND_TIMEOUT_S = 120.0
+RSS_TOLERANCE = 8 * 2**20  # bytes the process may grow by from round 2 to round 3 (allocator slack)
+WORDS = "the of a cat sat on mat while dogs ran far away and birds sang loud songs in trees".split()
+
+
+def plan(clients: int, each: int, seed: int = 0) -> list[list[dict]]:
+    """Per client, its requests: route, prompt (prompts share prefixes, so the prefix cache is used), length,
+    streaming or not, and whether the client walks away after the first streamed text."""
+    rng = random.Random(seed)
+    stems = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(4)]
+    out = []
+    for c in range(clients):
+        requests = []
+        for r in range(each):
+            text = stems[(c + r) % 4][: rng.randint(1, 200)] + f" #{c}.{r}"[: rng.randint(0, 6)]
+            kind = (c + r) % 4
+            requests.append({
+                "chat": kind >= 2, "text": text, "stream": kind % 2 == 1, "max_tokens": rng.randint(1, 24),
+                "leave": kind % 2 == 1 and c % 8 == 3,
+            })
+        out.append(requests)
+    return out
+
+
+def prompt_ids(tokenizer, request) -> list[int]:
+    if request["chat"]:
+        return chat_ids(tokenizer, [{"role": "user", "content": request["text"]}])
+    return tokenizer.encode(request["text"])
+
+
+def body(request) -> tuple[str, dict]:
+    fields = {"max_tokens": request["max_tokens"], "temperature": 0, "stream": request["stream"]}
+    if request["chat"]:
+        return "/v1/chat/completions", {**fields, "messages": [{"role": "user", "content": request["text"]}]}
+    return "/v1/completions", {**fields, "prompt": request["text"]}
+
+
+def piece(choice: dict, chat: bool) -> str:
+    if chat:
+        return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def ask(http: httpx.AsyncClient, request) -> tuple[int, str | None]:
+    """(HTTP status, the answer's text, or None when the client walked away)."""
+    path, fields = body(request)
+    if not request["stream"]:
+        r = await http.post(path, json=fields)
+        return r.status_code, piece(r.json()["choices"][0], request["chat"]) if r.status_code == 200 else None
+    text = ""
+    async with http.stream("POST", path, json=fields) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return r.status_code, None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                text += piece(choice, request["chat"])
+            if request["leave"] and text:
+                return r.status_code, None  # leaving the block drops the connection mid-stream
+    return r.status_code, text
+
+
+async def load_round(url: str, requests: list[list[dict]]) -> list[list[tuple[int, str | None]]]:
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT, limits=limits) as http:
+        async def client(mine):
+            return [await ask(http, request) for request in mine]
+
+        return await asyncio.wait_for(asyncio.gather(*(client(m) for m in requests)), ROUND_TIMEOUT_S)
+
+
+def settled(engine: Engine, state: ServerState) -> None:
+    """Wait (bounded) until every request has left the engine and the server."""
+    deadline = time.monotonic() + TIMEOUT
+    while engine.load() != (0, 0) or state.in_flight or state.handles:
+        assert time.monotonic() < deadline, f"still busy: {engine.load()}, {state.in_flight} in flight"
+        time.sleep(0.01)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def live(kind) -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is kind)
+
+
+@pytest.fixture(scope="module")
+def load_engine(model_dir, tokenizer):
+    """An engine of its own (no per-step recount), with a pool too small for every request at once."""
+    return Engine(Transformer.from_pretrained(model_dir).eval(), tokenizer, max_total_tokens=2048)
+
+
+def check_round(engine, state, url, requests, references) -> None:
+    results = asyncio.run(load_round(url, requests))
+    statuses = [status for mine in results for status, _ in mine]
+    assert all(status < 500 for status in statuses), sorted(set(statuses))
+    finished = 0
+    for c, mine in enumerate(results):
+        for r, (status, text) in enumerate(mine):
+            assert status == 200
+            if text is not None:
+                assert text == references[c][r], (c, r, requests[c][r])
+                finished += 1
+    left = sum(request["leave"] for mine in requests for request in mine)
+    assert finished == len(statuses) - left
+    settled(engine, state)
+    usage = engine.check()
+    assert usage.in_use == 0 and usage.free + usage.evictable == usage.total  # idle: only cached prefixes
+    assert live(Request) == 0 and live(RequestHandle) == 0
+
+
+def serve_rounds(engine, tokenizer, clients, each, rounds):
+    requests = plan(clients, each)
+    flat = [request for mine in requests for request in mine]
+    done = engine.generate([prompt_ids(tokenizer, q) for q in flat],
+                           [SamplingParams(max_tokens=q["max_tokens"], temperature=0) for q in flat])
+    texts = iter([c.text for c in done])
+    references = [[next(texts) for _ in mine] for mine in requests]
+    state = ServerState(engine, tokenizer, MODEL)
+    sizes = []
+    with running(state) as url:
+        for _ in range(rounds):
+            check_round(engine, state, url, requests, references)
+            gc.collect()
+            sizes.append(rss_bytes())
+    return sizes
+
+
+def test_a_few_clients_at_once_get_the_offline_answers(load_engine, tokenizer):
+    serve_rounds(load_engine, tokenizer, clients=8, each=2, rounds=1)
+
+
+@pytest.mark.slow
+def test_64_clients_of_4_requests_get_the_offline_answers_and_memory_stays_flat(load_engine, tokenizer):
+    sizes = serve_rounds(load_engine, tokenizer, clients=64, each=4, rounds=3)
+    print(f"RSS after each round: {[f'{s / 2**20:.1f} MiB' for s in sizes]}")
+    assert sizes[2] - sizes[1] <= RSS_TOLERANCE, sizes  # round 1 warms the allocators up
