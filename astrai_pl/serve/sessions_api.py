@@ -17,7 +17,8 @@ not computed again.
 
 Ids are `secrets.token_urlsafe` strings, only ever keys of a dict. An unknown, deleted or expired id is a
 404; a turn or fork while a turn runs on the session a 409; the store refuses (429) a session over
-`max_sessions`, or a turn or prefill that would make the sessions pin more than `max_tokens` of KV. A
+`max_sessions`, or a prefill or turn whose prompt would make the sessions pin more than `max_tokens` of KV
+(the tokens a turn then generates are bounded by its max_tokens and the engine's pool, like any request's). A
 session idle for its TTL is closed and forgotten. A turn the client walks away from is aborted, and the
 session goes on from its history without it.
 """
@@ -78,7 +79,7 @@ class StoredSession:
         self.messages = messages
         self.tokens: list[int] = list(session.tokens)
         self.busy = False
-        self.reserved_pages = 0  # what a running turn may come to pin
+        self.reserved_pages = 0  # what a running turn's prompt pins (its pages are lent to the turn)
         self.closed = False
 
     def conversation(self, render: list[int], tokenizer) -> list[int]:
@@ -281,7 +282,7 @@ def _turn_parser(store: SessionStore, session_id: str, box: dict):
                               "(POST /v1/sessions/{id}/fork) for each branch", "n")
         ids = stored.conversation(call.prompts[0], state.tokenizer)
         call.prompts = [ids]
-        need = store.reserve(stored, min(len(ids) + call.params.max_tokens, state.context_len))
+        need = store.reserve(stored, len(ids))
         box.update(stored=stored, new=new, need=need)
         return call
 

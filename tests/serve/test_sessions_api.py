@@ -12,6 +12,7 @@ import pytest
 from conftest import MODEL, TIMEOUT, running
 
 from astrai_pl.inference import SamplingParams
+from astrai_pl.serve.cli import serve_parser
 from astrai_pl.serve.sessions_api import SessionStore, rendered
 from astrai_pl.serve.state import ServerState
 
@@ -276,3 +277,17 @@ def test_sessions_need_the_api_key(engine, tokenizer):
         refused(http.get(f"/v1/sessions/{sid}"), 401, "invalid_api_key")
         refused(http.delete(f"/v1/sessions/{sid}"), 401, "invalid_api_key")
         assert http.get(f"/v1/sessions/{sid}", headers=key).status_code == 200
+
+
+def test_the_session_options_reach_the_store_and_bad_ones_are_refused(engine):
+    ns = serve_parser().parse_args(["--model", "m", "--max-sessions", "3", "--session-ttl", "5",
+                                    "--max-session-ttl", "9", "--max-session-tokens", "160"])
+    store = SessionStore(engine, ttl=ns.session_ttl, max_ttl=ns.max_session_ttl, max_sessions=ns.max_sessions,
+                         max_tokens=ns.max_session_tokens)
+    assert (store.ttl, store.max_ttl, store.max_sessions, store.max_pages) == (5, 9, 3, 160 // engine.page_size)
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--model", "m", "--session-ttl", "0"])
+    with pytest.raises(ValueError, match="--max-session-ttl"):
+        SessionStore(engine, ttl=10, max_ttl=5)
+    with pytest.raises(ValueError, match="--max-session-tokens"):
+        SessionStore(engine, max_tokens=1)
