@@ -183,7 +183,7 @@ def sampling_params(body: _SamplingFields, max_tokens: int | None, extra_stop_id
     try:
         params = SamplingParams(**fields, logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                                 stop_token_ids=stop_ids)
-        if isinstance(stop_ids, list):  # the model's extra end ids, after the request's are checked
+        if not params.ignore_eos:  # the model's extra end ids (generation_config.json), as its own end ids
             params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *extra_stop_ids]))
         return params
     except SamplingParamsError as err:

@@ -1,6 +1,7 @@
 """What a running server owes the engine and its host: a request whose client leaves is aborted and its pages
 freed, the queue limit refuses and recovers, /health and /metrics answer, and SIGTERM exits 0."""
 
+import contextlib
 import os
 import re
 import signal
@@ -87,10 +88,11 @@ def test_a_missing_model_exits_with_its_message(tmp_path, capsys):
     assert str(exit.value.code).startswith("astrai-pl serve: ") and "missing" in str(exit.value.code)
 
 
-@pytest.mark.slow
-def test_sigterm_lets_a_stream_finish_then_exits_0(model_dir):
+@contextlib.contextmanager
+def serve_process(model_dir, *options):
+    """`astrai-pl serve` in a child process on a free port; yields (process, port), kills it if still alive."""
     command = [sys.executable, "-m", "astrai_pl.cli", "serve", "--model", str(model_dir), "--port", "0",
-               "--max-total-tokens", "4096", "--graceful-timeout", "20"]
+               "--max-total-tokens", "4096", *options]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         port = None
@@ -101,20 +103,42 @@ def test_sigterm_lets_a_stream_finish_then_exits_0(model_dir):
             if found := re.search(r"running on http://127\.0\.0\.1:(\d+)", line):
                 port = int(found.group(1))
         assert port, "the server did not listen in time"
-        body = {"prompt": "Once", "max_tokens": 40, "temperature": 0, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=TIMEOUT) as stream:
-            lines = stream.iter_lines()
-            assert next(lines).startswith("data: ")
-            server.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"  # the request in flight finished within the grace period
-        assert '"finish_reason": "length"' in rest[-2]
-        assert server.wait(timeout=60) == 0
+        yield server, port
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
         server.stderr.close()
+
+
+def stream_through_sigterm(server, port: int, max_tokens: int) -> list[str]:
+    """Open a stream, send SIGTERM after its first chunk, and return the lines that came after."""
+    body = {"prompt": "Once", "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=TIMEOUT) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.send_signal(signal.SIGTERM)
+        try:
+            return [line for line in lines if line]
+        except httpx.HTTPError:  # the server closed the connection mid-chunk
+            return []
+
+
+@pytest.mark.slow
+def test_sigterm_lets_a_stream_finish_then_exits_0(model_dir):
+    with serve_process(model_dir, "--graceful-timeout", "20") as (server, port):
+        rest = stream_through_sigterm(server, port, 40)
+        assert rest[-1] == "data: [DONE]"  # the request in flight finished within the grace period
+        assert '"finish_reason": "length"' in rest[-2]
+        assert server.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+def test_sigterm_aborts_what_outlasts_the_grace_period_and_exits_0(model_dir):
+    with serve_process(model_dir, "--graceful-timeout", "0") as (server, port):
+        rest = stream_through_sigterm(server, port, 480)
+        assert "data: [DONE]" not in rest and len(rest) < 479  # cut off, not finished
+        assert server.wait(timeout=60) == 0
 
 
 def test_health_is_503_while_the_engine_loop_is_stopped(http, engine):

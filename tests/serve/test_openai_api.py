@@ -194,5 +194,8 @@ def test_the_models_extra_end_ids_end_a_completion(engine, tokenizer):
     with running(state) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
         out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        ignoring = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
     first = full.token_ids.index(end)
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == first + 1
+    assert ignoring.choices[0].text == full.text  # ignore_eos passes them too, as the engine's own end ids
