@@ -15,6 +15,7 @@ so they are never stale:
     astrai_kv_pages_evictable                    KV pages holding cached prefixes no one uses (reclaimable)
     astrai_kv_pages_capacity                     KV pages in the pool
     astrai_sessions_live                         sessions of /v1/sessions alive now
+    astrai_session_kv_pages                      KV pages the sessions pin (or their running turns' prompts)
     astrai_time_to_first_token_seconds           from a request's arrival to its first generated token
     astrai_inter_token_latency_seconds           between consecutive generated tokens of one choice
 """
@@ -42,7 +43,8 @@ class EngineCollector(Collector):
         engine = self.state.engine
         running, waiting = engine.load()
         usage = engine.usage()
-        sessions = self.state.sessions
+        sessions = self.state.sessions  # live() first closes those past their TTL
+        live, pinned = (0, 0) if sessions is None else (sessions.live(), sessions.pinned_pages())
         for name, value, doc in (
             ("requests_running", running, "engine requests being decoded now (each of n samples counts)"),
             ("requests_waiting", waiting, "engine requests queued for a batch slot or memory"),
@@ -50,7 +52,8 @@ class EngineCollector(Collector):
             ("kv_pages_free", usage.free, "KV pages free"),
             ("kv_pages_evictable", usage.evictable, "KV pages holding cached prefixes no one uses"),
             ("kv_pages_capacity", usage.total, "KV pages in the pool"),
-            ("sessions_live", 0 if sessions is None else len(sessions), "sessions of /v1/sessions alive now"),
+            ("sessions_live", live, "sessions of /v1/sessions alive now"),
+            ("session_kv_pages", pinned, "KV pages the sessions pin"),
         ):
             yield GaugeMetricFamily(f"astrai_{name}", doc, value=value)
 

@@ -65,10 +65,12 @@ def test_gauges_read_the_engine_when_scraped(http, engine):
     session = http.post("/v1/sessions", json={"messages": USER}).json()
     held = scrape(http)
     assert held["astrai_sessions_live", ()] == live + 1
+    assert held["astrai_session_kv_pages", ()] >= session["pages"] > 0
     assert held["astrai_kv_pages_in_use", ()] == engine.usage().in_use > 0
     http.delete(f"/v1/sessions/{session['id']}")
     freed = scrape(http)  # no request ran since: the gauges are read now, not when something was served
     assert freed["astrai_sessions_live", ()] == live
+    assert freed["astrai_session_kv_pages", ()] < held["astrai_session_kv_pages", ()]
     assert freed["astrai_kv_pages_in_use", ()] == engine.usage().in_use < held["astrai_kv_pages_in_use", ()]
 
 
