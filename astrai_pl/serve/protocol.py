@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from tokenizers import decoders
 
 from ..commands import chat_ids
 from ..inference import Completion, Delta, SamplingParams, SamplingParamsError
-from ..tokenizer import TokenizerError
+from ..tokenizer import TokenizerError, byte_symbols
 from .errors import APIError, bad_request, from_sampling_error, from_validation_errors
 
+MAX_CHOICES = 1024  # prompts × n in one request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 
@@ -222,6 +224,19 @@ def prompt_token_logprobs(ids: list[int], prompt_logprobs) -> TokenLogprobs:
                          [None if e is None else list(e[1]) for e in entries])
 
 
+_BYTE_OF = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for: exact for a byte-level BPE vocabulary (each symbol of a piece is one
+    byte, so a piece holding part of a character gives that part), else its text's UTF-8."""
+    if isinstance(tokenizer.backend.decoder, decoders.ByteLevel):
+        piece = tokenizer.id_to_token(token_id)
+        if piece and all(ch in _BYTE_OF for ch in piece):
+            return bytes(_BYTE_OF[ch] for ch in piece)
+    return tokenizer.decode([token_id]).encode("utf-8")
+
+
 class Call:
     """One parsed request: the prompts' ids, the SamplingParams, and how to shape what comes back."""
 
@@ -237,6 +252,10 @@ class Call:
         if body.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' needs \"stream\": true", "stream_options")
         self.num_choices = len(prompts) * params.n
+        if self.num_choices > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts × n={params.n} make {self.num_choices} completions, the "
+                              f"server makes at most {MAX_CHOICES} per request; split the request",
+                              "n" if len(prompts) == 1 else "prompt")
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -330,8 +349,8 @@ class ChatCall(Call):
 
     def logprobs_body(self, entries: TokenLogprobs) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": self.token_text(token_id), "logprob": logprob,
+                    "bytes": list(token_bytes(self.tokenizer, token_id))}
 
         content = [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts or []][: self.top]}
                    for t, lp, alts in zip(entries.ids, entries.logprobs, entries.alternatives)]

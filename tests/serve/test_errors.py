@@ -37,6 +37,8 @@ CASES = [  # (route, body, status, param, words the message holds)
     (COMPLETIONS, {"prompt": "x", "top_p": 2}, 400, "top_p", "(0, 1]"),
     (COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
     (COMPLETIONS, {"prompt": "x", "n": 0}, 400, "n", ">= 1"),
+    (COMPLETIONS, {"prompt": "x", "n": 5000}, 400, "n", "at most 1024"),
+    (COMPLETIONS, {"prompt": ["x"] * 600, "n": 2}, 400, "prompt", "at most 1024"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 0"),
     (COMPLETIONS, {"prompt": "x", "seed": -5}, 400, "seed", "2**64"),
     (COMPLETIONS, {"prompt": "x", "stop": 5}, 400, "stop", "list of strings"),
