@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "rwkv")
+RECURRENT_TYPES = ("rwkv",)  # blocks with a recurrent mixer (rwkv.py) in place of attention
 
 
 class ConfigError(ValueError):
@@ -54,7 +55,8 @@ class ModelConfig:
     """Shape and numerics of the decoder. Field names follow Hugging Face's `config.json`."""
 
     model_type: str = "llama"
-    """Architecture family written to config.json: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe."""
+    """Architecture family written to config.json: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, or
+    rwkv (RWKV-4 time mix and channel mix in place of attention and the MLP; the attention fields are then unused)."""
     vocab_size: int = 32000
     """Number of token embeddings (rows of embed_tokens and lm_head)."""
     hidden_size: int = 512
@@ -117,6 +119,11 @@ class ModelConfig:
     """Padding token id, if the tokenizer has one."""
     torch_dtype: str = "float32"
     """Dtype recorded in config.json on export."""
+    layer_norm_epsilon: float = 1e-5
+    """rwkv only: epsilon of the LayerNorms in every block (the final ln_out always uses 1e-5, as transformers)."""
+    rescale_every: int = 6
+    """rwkv only: in eval mode the residual stream is halved after every rescale_every-th block (and the blocks'
+    output projections scaled to match), as transformers does against fp16 overflow; 0 or less: never."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -151,6 +158,9 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 fail(name, "must be positive", "set a value > 0")
+        if self.mixer == "rwkv":
+            self._validate_rwkv(fail)
+            return
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             fail("num_attention_heads", f"does not divide hidden_size={self.hidden_size}",
                  "pick a head count that divides the width, or set head_dim explicitly")
@@ -187,7 +197,24 @@ class ModelConfig:
         if self.num_shared_experts < 0:
             fail("num_shared_experts", "must be >= 0", "use 0 for none")
 
+    def _validate_rwkv(self, fail) -> None:
+        """RWKV blocks have no attention and no MoE: a field that would change those is refused, not ignored.
+        The head counts, head_dim, RoPE base and rms_norm_eps are unused (harmless at any valid value)."""
+        if self.layer_norm_epsilon <= 0:
+            fail("layer_norm_epsilon", "must be positive", "use e.g. 1e-5")
+        unused = dict(num_experts=0, num_shared_experts=0, attention_bias=False, qk_norm=False, rope_scaling=None,
+                      sliding_window=None, mlp_only_layers=[])
+        for name, neutral in unused.items():
+            if getattr(self, name) != neutral:
+                fail(name, "rwkv blocks have no attention and no experts", f"remove it (or set {neutral!r}), or "
+                     "pick an attention model_type")
+
     # -- derived shape -----------------------------------------------------------------------------------
+    @property
+    def mixer(self) -> str:
+        """What mixes tokens in every block: "rwkv" (recurrent time mix, rwkv.py) or "attention"."""
+        return "rwkv" if self.model_type in RECURRENT_TYPES else "attention"
+
     @property
     def head_size(self) -> int:
         """Width of one attention head."""
@@ -212,13 +239,16 @@ class ModelConfig:
     def num_parameters(self) -> int:
         """Parameter count, computed from the shape alone (embeddings counted once when tied)."""
         h, d, nq, nkv = self.hidden_size, self.head_size, self.num_attention_heads, self.num_key_value_heads
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        if self.mixer == "rwkv":  # per block: 2 LayerNorms, time mix (5 vectors, 4 matrices), channel mix
+            block = 4 * h + (5 * h + 4 * h * h) + (2 * h + h * h + 2 * h * self.intermediate_size)
+            return self.num_hidden_layers * block + emb + 2 * h + 2 * h  # + pre_ln, ln_out
         attn = h * d * (nq + 2 * nkv) + nq * d * h + (d * (nq + 2 * nkv) if self.attention_bias else 0)
         attn += 2 * d if self.qk_norm else 0
         dense = 3 * h * self.intermediate_size
         moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)
         moe += 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gate else 0)
         blocks = sum(attn + 2 * h + (moe if self.is_moe_layer(i) else dense) for i in range(self.num_hidden_layers))
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return blocks + emb + h
 
     # -- names -------------------------------------------------------------------------------------------
@@ -242,6 +272,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=320, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # The RWKV-4 counterparts of debug and tiny: same widths and depths, channel mix 4x wide (RWKV's default).
+    "rwkv-debug": dict(model_type="rwkv", vocab_size=320, hidden_size=64, intermediate_size=256,
+                       num_hidden_layers=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                       pad_token_id=0),
+    "rwkv-tiny": dict(model_type="rwkv", vocab_size=320, hidden_size=192, intermediate_size=768,
+                      num_hidden_layers=4, max_position_embeddings=1024, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0),
     "small": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0),

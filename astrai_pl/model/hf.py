@@ -150,7 +150,7 @@ def plan_weights(files: list[Path], cfg: ModelConfig, expected: dict[str, tuple[
                 if is_ignored(hf_key):
                     continue
                 shape = tuple(f.get_slice(hf_key).get_shape())
-                for key, source in sources_for(file, hf_key, shape).items():
+                for key, source in sources_for(file, hf_key, shape, cfg.model_type).items():
                     if key == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # shared with embed_tokens; transformers ignores it too
                     if key not in expected:

@@ -5,6 +5,10 @@ Reading accepts both layouts of the rotary settings: the older one with `rope_th
 transformers 5 writes (`{"rope_type": ..., "rope_theta": ..., "factor": ...}`). A field missing
 from the file takes the default of the transformers config class of that `model_type`, so a file
 means here what it means to `transformers`. Writing emits both layouts, so 4.x and 5.x read it.
+
+An `rwkv` config.json (RwkvConfig) has no attention fields: `context_length` is our max_position_embeddings,
+`intermediate_size` defaults to 4·hidden_size, and `attention_hidden_size` must equal hidden_size (the state
+transformers keeps has hidden_size channels for every tensor).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class ExportError(ValueError):
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "rwkv": "RwkvForCausalLM",
 }
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 EXPERTS_KEY = {"mixtral": "num_local_experts"}  # qwen3_moe files say num_experts (hub) or num_local_experts (5.x)
@@ -75,6 +79,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {**_COMMON, **_QWEN, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
                   "moe_intermediate_size": 768, "norm_topk_prob": False, "router_aux_loss_coef": 0.001},
 }
+_RWKV = dict(context_length=1024, attention_hidden_size=None, intermediate_size=None, layer_norm_epsilon=1e-5,
+             bos_token_id=0, eos_token_id=0, pad_token_id=None, rescale_every=6, tie_word_embeddings=False,
+             initializer_range=0.02)  # RwkvConfig's defaults
+_RWKV_COPIED = ("vocab_size", "hidden_size", "num_hidden_layers", "layer_norm_epsilon", "rescale_every",
+                "tie_word_embeddings", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _COPIED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
            "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
@@ -152,6 +161,32 @@ def _attention_fields(mt: str, raw: dict[str, Any], file: Path) -> dict[str, Any
     return dict(attention_bias=bias, qk_norm=mt in QK_NORM_TYPES, sliding_window=window or None)
 
 
+def _model_config(fields: dict[str, Any], file: Path) -> ModelConfig:
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as err:
+        raise UnsupportedCheckpointError(f"{file}: {err}") from err
+
+
+def _rwkv_config(raw: dict[str, Any], file: Path) -> ModelConfig:
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers") if raw.get(k) is None]
+    if missing:
+        raise CheckpointError(f"{file}: required key {missing[0]!r} is missing. Fix: add it (every config.json "
+                              "that transformers writes has it).")
+    raw = {**_RWKV, **raw}
+    hidden, attention = raw["hidden_size"], raw["attention_hidden_size"]
+    if attention is not None and attention != hidden:
+        raise UnsupportedCheckpointError(
+            f"{file}: key 'attention_hidden_size' is {attention!r}, not hidden_size={hidden!r}; the time mix "
+            "here is as wide as the residual stream. Fix: use a checkpoint with attention_hidden_size = hidden_size.")
+    fields = {k: raw[k] for k in _RWKV_COPIED}
+    width = raw["intermediate_size"] or (4 * hidden if isinstance(hidden, int) else None)  # ModelConfig checks types
+    fields.update(model_type="rwkv", intermediate_size=width,
+                  max_position_embeddings=raw.get("max_position_embeddings") or raw["context_length"],
+                  torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"))
+    return _model_config(fields, file)
+
+
 def config_from_hf(raw: dict[str, Any], file: Path) -> ModelConfig:
     """The ModelConfig a Hugging Face config.json (already parsed) describes; `file` is named in errors."""
     mt = raw.get("model_type")
@@ -159,6 +194,8 @@ def config_from_hf(raw: dict[str, Any], file: Path) -> ModelConfig:
         raise UnsupportedCheckpointError(
             f"{file}: key 'model_type' is {mt!r}, which this package cannot load. "
             f"Fix: use a checkpoint whose model_type is one of {', '.join(MODEL_TYPES)}.")
+    if mt == "rwkv":
+        return _rwkv_config(raw, file)
     missing = [k for k in _REQUIRED if raw.get(k) is None]
     if missing:
         raise CheckpointError(
@@ -174,10 +211,7 @@ def config_from_hf(raw: dict[str, Any], file: Path) -> ModelConfig:
     fields.update(model_type=mt, rope_theta=theta, rope_scaling=scaling,
                   torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
                   **_attention_fields(mt, raw, file), **_moe_fields(mt, raw))
-    try:
-        return ModelConfig(**fields)
-    except ConfigError as err:
-        raise UnsupportedCheckpointError(f"{file}: {err}") from err
+    return _model_config(fields, file)
 
 
 # -- writing ----------------------------------------------------------------------------------------------
@@ -234,6 +268,11 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     """The config.json dict for cfg (call check_exportable first); `dtype` names the stored tensors' dtype."""
     mt = cfg.model_type
     out: dict[str, Any] = {"architectures": [ARCHITECTURES[mt]], "model_type": mt}
+    if mt == "rwkv":
+        out.update({k: getattr(cfg, k) for k in _RWKV_COPIED})
+        out.update(intermediate_size=cfg.intermediate_size, attention_hidden_size=cfg.hidden_size,
+                   context_length=cfg.max_position_embeddings, dtype=dtype, torch_dtype=dtype, use_cache=True)
+        return out
     out.update({k: getattr(cfg, k) for k in _COPIED})
     out.update(head_dim=cfg.head_size, num_key_value_heads=cfg.num_key_value_heads, **_rope_json(cfg))
     if mt in ("llama", "qwen3", "qwen3_moe"):

@@ -1,4 +1,7 @@
-"""The shared pre-norm decoder: embeddings → blocks (attention + SwiGLU or MoE) → RMSNorm → lm_head."""
+"""The shared pre-norm decoder: embeddings → blocks (attention + SwiGLU or MoE) → RMSNorm → lm_head.
+
+With `model_type="rwkv"` the blocks are RWKV-4 time mix + channel mix and the norms LayerNorms (rwkv.py).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from .attention import Attention, AttentionMask, KVCacheView, document_ids_from_
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from .moe import MoE
+from .rwkv import RwkvBlock, final_norm, reset_rwkv_parameters, run_blocks
 
 
 @dataclass
@@ -51,10 +55,12 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        recurrent = config.mixer == "rwkv"
+        block = RwkvBlock if recurrent else Block
+        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = final_norm(config) if recurrent else RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = None if recurrent else RotaryEmbedding(config)  # RWKV has no positions
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.lora_config = None  # a LoraConfig once adapters are added (lora.py)
@@ -76,6 +82,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, 0.0, std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        if self.config.mixer == "rwkv":
+            reset_rwkv_parameters(self.layers, residual_std)
 
     def hidden_states(
         self,
@@ -90,6 +98,9 @@ class Transformer(nn.Module):
     def _hidden_states(self, input_ids, position_ids, document_ids, cache):
         # The body of both `hidden_states` and `forward`: FSDP2 wraps each of the two public methods with
         # its gather/reshard hooks (parallel.py), so neither may call the other.
+        if self.config.mixer == "rwkv":  # no positions or mask; each document restarts the recurrent state
+            x = run_blocks(self.layers, self.embed_tokens(input_ids), position_ids, document_ids, cache)
+            return self.norm(x), None
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
