@@ -12,6 +12,7 @@ is choice p·n + i, as OpenAI numbers them.
 
 from __future__ import annotations
 
+import math
 import numbers
 import time
 import uuid
@@ -211,17 +212,28 @@ class TokenLogprobs:
     alternatives: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
 
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability 0; JSON has no -inf
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+def _finite_alternatives(alternatives) -> list[tuple[int, float]]:
+    return [(token, _finite(logprob)) for token, logprob in alternatives]
+
+
 def generated_logprobs(ids: list[int], logprobs, top) -> TokenLogprobs:
     """The log-probabilities of `ids` (engine lists; `top` may be None when no alternatives were asked)."""
-    logprobs = list(logprobs or [])[: len(ids)]
-    alternatives = list(top) if top else [[] for _ in ids]
+    logprobs = [_finite(lp) for lp in (logprobs or [])[: len(ids)]]
+    alternatives = [_finite_alternatives(a) for a in top] if top else [[] for _ in ids]
     return TokenLogprobs(list(ids[: len(logprobs)]), logprobs, alternatives[: len(logprobs)])
 
 
 def prompt_token_logprobs(ids: list[int], prompt_logprobs) -> TokenLogprobs:
     entries = list(prompt_logprobs or [None] * len(ids))
-    return TokenLogprobs(list(ids), [None if e is None else e[0] for e in entries],
-                         [None if e is None else list(e[1]) for e in entries])
+    return TokenLogprobs(list(ids), [None if e is None else _finite(e[0]) for e in entries],
+                         [None if e is None else _finite_alternatives(e[1]) for e in entries])
 
 
 _BYTE_OF = {symbol: byte for byte, symbol in enumerate(byte_symbols())}

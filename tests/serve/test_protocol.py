@@ -1,8 +1,11 @@
 """Pieces of the OpenAI protocol that need no server: token bytes, field paths, refusals named by field."""
 
+import json
+import math
+
 from astrai_pl.inference import SamplingParams, SamplingParamsError
 from astrai_pl.serve.errors import field_path, from_sampling_error
-from astrai_pl.serve.protocol import token_bytes
+from astrai_pl.serve.protocol import LOGPROB_FLOOR, generated_logprobs, token_bytes
 from astrai_pl.tokenizer import BYTE_OFFSET
 
 
@@ -25,3 +28,10 @@ def test_a_sampling_refusal_names_the_request_field():
         refusal = from_sampling_error(err, {"top_logprobs": "logprobs"})
     assert (refusal.status, refusal.param) == (400, "logprobs")
     assert refusal.message.startswith("logprobs=25: ")
+
+
+def test_a_logprob_of_minus_infinity_is_reported_as_openais_floor():
+    entries = generated_logprobs([5, 6], [-math.inf, -1.0], [[(5, -math.inf)], [(6, -1.0)]])
+    assert entries.logprobs == [LOGPROB_FLOOR, -1.0]
+    assert entries.alternatives == [[(5, LOGPROB_FLOOR)], [(6, -1.0)]]
+    json.dumps(entries.logprobs, allow_nan=False)  # valid JSON
