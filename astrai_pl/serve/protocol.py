@@ -28,6 +28,7 @@ from ..tokenizer import TokenizerError, byte_symbols
 from .errors import APIError, bad_request, from_sampling_error, from_validation_errors
 
 MAX_CHOICES = 1024  # prompts × n in one request
+MAX_STOPS = {"stop": 16, "stop_token_ids": 256}  # each is checked on every token: a long list slows every request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 
@@ -183,6 +184,10 @@ def sampling_params(body: _SamplingFields, max_tokens: int | None, extra_stop_id
     }
     fields = {k: v for k, v in given.items() if v is not None}
     stop_ids = [] if body.stop_token_ids is None else body.stop_token_ids
+    for name, value in (("stop", fields["stop"]), ("stop_token_ids", stop_ids)):
+        if isinstance(value, list) and len(value) > MAX_STOPS[name]:
+            raise bad_request(f"'{name}' holds {len(value)} entries, the server takes at most {MAX_STOPS[name]}",
+                              name)
     try:
         params = SamplingParams(**fields, logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                                 stop_token_ids=stop_ids)
