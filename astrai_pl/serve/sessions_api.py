@@ -259,6 +259,10 @@ class SessionTurn(Generation):
         async for item in super().events():
             yield item
         self.settle()
+        reply = self.completions[0]
+        if self.stored.closed and (reply is None or reply.finish_reason == "abort"):
+            raise APIError(404, f"session '{self.stored.id}' was deleted during this turn, which stopped there",
+                           param="session_id", code="session_not_found")
 
     def settle(self) -> None:
         if not self.settled:

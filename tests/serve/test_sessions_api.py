@@ -214,6 +214,28 @@ def test_a_client_leaving_mid_turn_aborts_it_and_the_history_stays(served, engin
     assert content(turn(http, sid, user("Hi!"))) == content(stateless(http, SYSTEM + user("Hi!")))
 
 
+def test_deleting_a_session_mid_turn_stops_the_turn_and_frees_the_pages(served, engine, monkeypatch):
+    http, state = served
+    idle = engine.usage().in_use
+    sid = create(http, SYSTEM)["id"]
+    forward = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda plan: (time.sleep(0.02), forward(plan))[1])
+    body = {"messages": user("Tell me a long story."), "max_tokens": 100, "temperature": 0, "stream": True}
+    chunks = []
+    with http.stream("POST", f"/v1/sessions/{sid}/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunks.append(json.loads(line[6:]))
+            if len(chunks) == 2:  # the role, then the first text: the turn runs
+                assert http.delete(f"/v1/sessions/{sid}").json()["deleted"] is True
+    monkeypatch.undo()
+    assert chunks[-1]["error"]["code"] == "session_not_found" and "deleted during this turn" in str(chunks[-1])
+    wait_for(lambda: engine.load() == (0, 0), "the turn to end")
+    assert engine.check().in_use == idle
+    refused(http.get(f"/v1/sessions/{sid}"), 404, "session_not_found")
+
+
 def test_a_reply_cut_by_a_stop_string_keeps_its_tokens_and_the_next_turn_continues_them(http, engine,
                                                                                          tokenizer):
     full = content(stateless(http, user("Hi!")))
