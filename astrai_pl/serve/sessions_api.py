@@ -35,8 +35,8 @@ from pydantic import BaseModel, ConfigDict
 from ..commands import chat_ids
 from ..inference import CapacityError, Completion, InferenceError, PromptError, SamplingParams, Session
 from ..tokenizer import TokenizerError
-from .app import Generation, _engine_error, generate, read_json
 from .errors import APIError, bad_request
+from .generation import Generation, _engine_error, generate, read_json
 from .protocol import chat_call, chat_messages, parse_body
 
 DEFAULT_TTL_S = 600.0

@@ -1,0 +1,236 @@
+"""One API call's generation: its prompts submitted to the engine, its handles read as they fill, and the
+answer given whole or streamed as server-sent events.
+
+    call = completion_call(body, state)                # protocol.py: prompts, SamplingParams, shapes
+    return await generate(request, state, completion_call)    # the route's whole body
+
+Handles are read with `async for`, so the event loop never blocks and concurrent requests share the engine's
+batches. A request whose client goes away — mid-stream or while waiting for a whole answer — is aborted and
+its pages released; a streamed answer releases them however its response ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..inference import (
+    CapacityError,
+    Completion,
+    Delta,
+    InferenceError,
+    PromptError,
+    RequestError,
+    RequestHandle,
+)
+from ..jsonl import NotUtf8, UnreadableJson, decode_utf8, parse_json
+from .errors import APIError, bad_request
+from .protocol import Call, raise_for_finish
+from .state import ServerState
+
+MAX_BODY_BYTES = 32 * 2**20
+DISCONNECT_POLL_S = 0.1
+
+
+class Generation:
+    """The engine requests of one API call (a handle per prompt, n samples each) and their timings."""
+
+    def __init__(self, state: ServerState, call: Call):
+        self.state, self.call, self.n = state, call, call.params.n
+        self.handles = []
+        self.start = time.perf_counter()
+        self.first_token: float | None = None
+        self.completions: list[Completion | None] = [None] * call.num_choices
+        try:
+            for ids in call.prompts:
+                self.handles.append(self.submit(ids))
+        except PromptError as err:
+            self.close()
+            raise bad_request(str(err), "prompt" if call.object == "text_completion" else "messages") from None
+        except CapacityError as err:
+            self.close()
+            raise bad_request(str(err)) from None
+        except BaseException:
+            self.close()
+            raise
+        state.handles.update(self.handles)
+
+    def submit(self, ids: list[int]) -> RequestHandle:
+        """Queue one prompt's request (a session's turn queues it on its session instead)."""
+        return self.state.engine.submit(ids, self.call.params)
+
+    def close(self) -> None:
+        """Abort whatever still runs, and count the tokens of what ended."""
+        for handle in self.handles:
+            if not handle.done:
+                handle.abort()
+            self.state.handles.discard(handle)
+        done = [c for c in self.completions if c is not None]
+        if done:
+            self.state.metrics.tokens(sum(len(p) for p in self.call.prompts), sum(len(c.token_ids) for c in done),
+                                      sum(c.cached_tokens for c in done if c.index == 0))
+        self.handles = []
+
+    def _choice(self, p: int, handle, delta: Delta) -> int:
+        sample = 0 if delta.request_id == handle.id else int(delta.request_id.rpartition(".")[2])
+        return p * self.n + sample
+
+    async def events(self) -> AsyncIterator[tuple[int, Delta]]:
+        """(choice index, delta) from every handle as they come; the last delta of a choice has its completion."""
+        last = [0.0] * len(self.completions)
+        async for index, delta in self._merged():
+            now = time.perf_counter()
+            if delta.token_ids:
+                if self.first_token is None:
+                    self.first_token = now
+                    self.state.metrics.first_token(now - self.start)
+                elif last[index]:
+                    self.state.metrics.inter_token(now - last[index])
+                last[index] = now
+            if delta.completion is not None:
+                self.completions[index] = delta.completion
+            yield index, delta
+
+    async def _merged(self) -> AsyncIterator[tuple[int, Delta]]:
+        if len(self.handles) == 1:
+            async for delta in self.handles[0]:
+                yield self._choice(0, self.handles[0], delta), delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p: int, handle) -> None:
+            try:
+                async for delta in handle:
+                    queue.put_nowait((self._choice(p, handle, delta), delta))
+            except BaseException as err:  # handed to the reader, which raises it
+                queue.put_nowait(err)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(pump(p, h)) for p, h in enumerate(self.handles)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def collect(self) -> list[Completion]:
+        async for _ in self.events():
+            pass
+        raise_for_finish(self.completions)
+        return self.completions
+
+
+def _engine_error(err: Exception) -> APIError:
+    if isinstance(err, RequestError):
+        return APIError(500, f"generation failed: {err.error}", type="server_error")
+    return APIError(503, f"the engine could not serve the request: {err}", type="server_error")
+
+
+async def _client_gone(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def answer_whole(request: Request, generation: Generation) -> dict:
+    """The whole answer, or the requests aborted as soon as the client disconnects."""
+    work = asyncio.ensure_future(generation.collect())
+    watch = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            generation.close()
+            work.cancel()
+    if not work.done() or work.cancelled():
+        raise APIError(499, "the client disconnected", code="client_closed_request")
+    try:
+        return generation.call.response(work.result())
+    except InferenceError as err:
+        raise _engine_error(err) from None
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def event_stream(generation: Generation) -> AsyncIterator[str]:
+    """Server-sent events: the chunks, the usage chunk when asked, an error chunk if it failed, [DONE]."""
+    call = generation.call
+    for chunk in call.opening_chunks():
+        yield _sse(chunk)
+    try:
+        async for index, delta in generation.events():
+            for chunk in call.chunks(index, delta):
+                yield _sse(chunk)
+        raise_for_finish(generation.completions)
+        if call.include_usage:
+            yield _sse(call.usage_chunk(generation.completions))
+    except APIError as err:
+        yield _sse(err.body())
+    except InferenceError as err:
+        yield _sse(_engine_error(err).body())
+    yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A streamed answer that releases its requests however it ends: finished, failed, or the client gone
+    before or during the stream (a generator that never ran has no `finally` of its own)."""
+
+    def __init__(self, state: ServerState, generation: Generation):
+        super().__init__(event_stream(generation), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.state, self.generation = state, generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.generation.close()
+            self.state.release()
+
+
+async def read_json(request: Request) -> dict:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body has {len(raw)} bytes, the server takes at most {MAX_BODY_BYTES}")
+    try:
+        body = parse_json(decode_utf8(raw))
+    except (NotUtf8, UnreadableJson) as err:
+        raise bad_request(f"the request body is not valid JSON ({err}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def generate(request: Request, state: ServerState, parse, start=Generation) -> Response:
+    """Parse the body into a Call, submit it (`start`: a Generation or a session's turn) and answer."""
+    call = parse(await read_json(request), state)
+    state.admit()
+    try:
+        generation = start(state, call)
+    except BaseException:
+        state.release()
+        raise
+    if call.stream:
+        return EventStream(state, generation)  # it releases the generation and the slot
+    try:
+        return JSONResponse(await answer_whole(request, generation))
+    finally:
+        generation.close()
+        state.release()
