@@ -14,30 +14,7 @@ from typing import Any
 from ..inference import Engine, RequestHandle
 from ..tokenizer import Tokenizer
 from .errors import APIError
-
-try:
-    from .metrics import Metrics
-except ModuleNotFoundError as err:  # metrics.py not there yet: the same hooks, doing nothing
-    if err.name != f"{__package__}.metrics":
-        raise
-
-    class Metrics:  # type: ignore[no-redef]
-        """The hooks the routes call; serve/metrics.py records them for Prometheus."""
-
-        def request_started(self, route: str) -> None: ...
-
-        def request_finished(self, route: str, status: int) -> None: ...
-
-        def tokens(self, prompt: int, generated: int, cached: int) -> None: ...
-
-        def first_token(self, seconds: float) -> None: ...
-
-        def inter_token(self, seconds: float) -> None: ...
-
-        def render(self) -> bytes:
-            return b""
-
-        def watch(self, state) -> None: ...
+from .metrics import Metrics
 
 
 @dataclass(eq=False)
