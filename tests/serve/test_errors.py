@@ -131,3 +131,22 @@ def test_the_api_key_is_required_on_v1_only(engine, tokenizer):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
         right = openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit", timeout=TIMEOUT, max_retries=0)
         assert right.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_request_failing_in_the_engine_is_a_500_or_an_error_event_and_others_go_on(http, engine, tokenizer,
+                                                                                     monkeypatch):
+    poison = tokenizer.encode("POISON")
+    forward = engine.runner.forward
+
+    def failing_forward(plan):
+        if any(poison == req.tokens[: len(poison)] for req, _ in plan):
+            raise RuntimeError("injected failure")
+        return forward(plan)
+
+    monkeypatch.setattr(engine.runner, "forward", failing_forward)
+    error = error_of(http.post(COMPLETIONS, json={"prompt": "POISON here", "max_tokens": 4}), 500)
+    assert error["type"] == "server_error" and "injected failure" in error["message"]
+    with http.stream("POST", COMPLETIONS, json={"prompt": "POISON again", "max_tokens": 4, "stream": True}) as s:
+        events = [line for line in s.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and "injected failure" in events[-2]
+    still_serves(http)
