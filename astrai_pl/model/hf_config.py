@@ -180,7 +180,7 @@ def _rwkv_config(raw: dict[str, Any], file: Path) -> ModelConfig:
             f"{file}: key 'attention_hidden_size' is {attention!r}, not hidden_size={hidden!r}; the time mix "
             "here is as wide as the residual stream. Fix: use a checkpoint with attention_hidden_size = hidden_size.")
     fields = {k: raw[k] for k in _RWKV_COPIED}
-    width = raw["intermediate_size"] or (4 * hidden if isinstance(hidden, int) else None)  # ModelConfig checks types
+    width = raw["intermediate_size"] or (4 * hidden if isinstance(hidden, int) else None)  # types: ModelConfig
     fields.update(model_type="rwkv", intermediate_size=width,
                   max_position_embeddings=raw.get("max_position_embeddings") or raw["context_length"],
                   torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"))

@@ -76,7 +76,8 @@ def _renamed(key: str, names: dict[str, str]) -> str:
     return key if prefix is None else names[prefix] + key.removeprefix(prefix)
 
 
-def sources_for(file: Path, hf_key: str, shape: tuple[int, ...], model_type: str = "llama") -> dict[str, Source]:
+def sources_for(file: Path, hf_key: str, shape: tuple[int, ...], model_type: str = "llama"
+                ) -> dict[str, Source]:
     """Our state_dict keys that HF tensor `hf_key` (of `shape`, stored in `file`) provides."""
     if model_type == "rwkv":
         key = _renamed(hf_key, _RWKV_TO_OURS)

@@ -70,7 +70,7 @@ class RwkvState:
 
     def to_hf(self) -> list[torch.Tensor]:
         """transformers' layout: five tensors (B, H, num_layers)."""
-        return [torch.stack([layer[i] for layer in self.layers], dim=-1) for i in range(len(LayerState._fields))]
+        return [torch.stack(tensors, dim=-1) for tensors in zip(*self.layers)]
 
     @classmethod
     def from_hf(cls, state: list[torch.Tensor]) -> RwkvState:
@@ -79,7 +79,8 @@ class RwkvState:
 
 def check_engine_support(config: ModelConfig) -> None:
     """Raise UnsupportedMixerError for a model the inference engine cannot serve yet (RWKV: its KV pages
-    have no place for a recurrent state). The engine calls this before building its pool."""
+    have no place for a recurrent state). Meant for `Engine.__init__`, before it builds its pool; until then an
+    RWKV forward given a KV cache raises the same error (`run_blocks`)."""
     if config.mixer == "rwkv":
         raise UnsupportedMixerError(
             f"ModelConfig.model_type={config.model_type!r}: the inference engine (generate, chat, serve, GRPO "
@@ -97,7 +98,7 @@ def wkv(
     state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (aa, bb, pp), each (B, H)
     resets: torch.Tensor | None = None,  # (B, T) bool: the state restarts before these tokens
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """wkv_t for every t (B, T, H) in v's dtype, and the state after the last token, all in float32.
+    """wkv_t for every t (B, T, H) in v's dtype, and the state after the last token (float32).
 
     Numerically stable: with p = max(pp, u + k_t), wkv_t = (e^{pp−p}·aa + e^{u+k_t−p}·v_t) / (e^{pp−p}·bb +
     e^{u+k_t−p}); then with q = max(pp + w, k_t): aa ← e^{pp+w−q}·aa + e^{k_t−q}·v_t, bb likewise, pp ← q."""
@@ -190,7 +191,8 @@ class ChannelMix(nn.Module):
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.time_mix_key = nn.Parameter(torch.empty(h))
         self.time_mix_receptance = nn.Parameter(torch.empty(h))
-        self.key, self.receptance, self.value = Linear(h, i, bias=False), Linear(h, h, bias=False), Linear(i, h, bias=False)
+        self.key, self.value = Linear(h, i, bias=False), Linear(i, h, bias=False)
+        self.receptance = Linear(h, h, bias=False)
 
     def forward(self, x, state: LayerState | None, resets):
         """(output (B, T, H), last input (B, H)) for x (B, T, H)."""

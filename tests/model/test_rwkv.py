@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from astrai_pl.model import ConfigError, ModelConfig, Transformer
-from astrai_pl.model.hf import UnsupportedCheckpointError
+from astrai_pl.model.hf import CheckpointError, UnsupportedCheckpointError
 from astrai_pl.model.rwkv import (
     LayerState,
     RwkvState,
@@ -310,10 +310,15 @@ def test_our_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path, fie
         assert torch.equal(a, b), name
 
 
-def test_a_wider_attention_than_the_residual_stream_is_refused(tmp_path):
+@pytest.mark.parametrize("edit,error,needle", [
+    ({"attention_hidden_size": 32}, UnsupportedCheckpointError, "attention_hidden_size"),
+    ({"hidden_size": None}, CheckpointError, "'hidden_size' is missing"),
+    ({"layer_norm_epsilon": -1.0}, UnsupportedCheckpointError, "layer_norm_epsilon"),
+    ({"rescale_every": "6"}, UnsupportedCheckpointError, "rescale_every"),
+])
+def test_a_bad_rwkv_config_json_is_refused_naming_the_key(tmp_path, edit, error, needle):
     hf_rwkv(hidden_size=16, num_hidden_layers=2, intermediate_size=32).save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["attention_hidden_size"] = 32
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedCheckpointError, match="attention_hidden_size"):
+    config = {**json.loads((tmp_path / "config.json").read_text()), **edit}
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    with pytest.raises(error, match=needle):
         Transformer.from_pretrained(tmp_path)
