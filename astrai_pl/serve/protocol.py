@@ -441,7 +441,10 @@ def chat_call(raw: dict, state) -> ChatCall:
         raise bad_request(str(err), "messages") from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = max_new_tokens(requested, len(ids), state.context_len, None, param, "messages")
+    n = body.n if body.n is not None and body.n >= 1 else 1  # a bad n is SamplingParams' to refuse
+    fits = state.pool_room(n) - len(ids)  # left out, max_tokens is the room each of n samples has in the pool
+    max_tokens = max_new_tokens(requested, len(ids), state.context_len, fits if fits > 0 else None, param,
+                                "messages")
     params = sampling_params(body, max_tokens, state.stop_token_ids, bool(body.logprobs), body.top_logprobs or 0,
                              {"max_tokens": param})
     return ChatCall(state, body, [ids], params, body.top_logprobs or 0)

@@ -55,6 +55,11 @@ class ServerState:
         limit = self.engine.max_context
         return limit if self.max_model_len is None else min(limit, self.max_model_len)
 
+    def pool_room(self, n: int) -> int:
+        """Most tokens a prompt and its completion may hold for n samples of it to fit the KV pool together."""
+        pool = self.engine.pool
+        return pool.num_pages // n * pool.page_size
+
     def check_key(self, authorization: str | None) -> None:
         """Refuse (401) a request without the server's key as `Authorization: Bearer KEY`."""
         if self.api_key is None:

@@ -13,6 +13,8 @@ import httpx
 import pytest
 from conftest import MODEL, TIMEOUT, running
 
+from astrai_pl.inference import Engine
+from astrai_pl.model import Transformer
 from astrai_pl.serve.cli import serve_verb
 from astrai_pl.serve.state import ServerState
 
@@ -148,3 +150,15 @@ def test_health_is_503_while_the_engine_loop_is_stopped(http, engine):
     finally:
         engine.start()
     assert http.get("/health").status_code == 200
+
+
+def test_chat_without_max_tokens_fits_n_samples_in_a_pool_no_larger_than_the_context(model_dir, tokenizer):
+    engine = Engine(Transformer.from_pretrained(model_dir).eval(), tokenizer, max_total_tokens=64)
+    assert engine.max_context == 64  # the pool holds one context, no more
+    with running(ServerState(engine, tokenizer, MODEL)) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": None, "temperature": 0}
+        out = http.post("/v1/chat/completions", json=body)
+        assert out.status_code == 200, out.text
+        assert [c["index"] for c in out.json()["choices"]] == [0, 1]
+        assert {c["finish_reason"] for c in out.json()["choices"]} == {"length"}
+    engine.stop()
