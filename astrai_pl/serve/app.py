@@ -80,10 +80,18 @@ def create_app(state: ServerState) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
 
+    def card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "astrai_pl",
+                "max_model_len": state.context_len}
+
     @v1.get("/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "astrai_pl", "max_model_len": state.context_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str) -> dict:
+        state.check_model(model)
+        return card()
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:

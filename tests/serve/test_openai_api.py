@@ -177,6 +177,9 @@ def test_models_lists_the_served_model(client, state):
     [model] = client.models.list().data
     assert model.id == MODEL and model.object == "model"
     assert model.model_extra["max_model_len"] == state.context_len
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other-model")
 
 
 def test_fields_openai_has_and_the_server_needs_not_are_ignored(client, engine, tokenizer):
