@@ -256,6 +256,12 @@ def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, position_ids, document_id
         document_ids = document_ids_from_positions(position_ids)
     resets = document_starts(document_ids)
     start = cache.layers if cache is not None and cache.layers else [None] * len(blocks)
+    expected = (len(blocks), (x.shape[0], x.shape[-1]))
+    if start[0] is not None and (len(start), tuple(start[0].aa.shape)) != expected:
+        raise ValueError(
+            f"the RwkvState holds {len(start)} layers of {tuple(start[0].aa.shape)}; this model has {expected[0]} "
+            f"layers and the batch is {expected[1]} (rows, hidden). Fix: pass a fresh RwkvState(), or the one this "
+            "model left for the same rows.")
     after = []
     for block, state in zip(blocks, start):
         x, state = block(x, resets, state)

@@ -132,6 +132,10 @@ def test_a_state_carries_a_prompt_across_calls(training):
     for ours, theirs in zip(state.to_hf(), whole.to_hf()):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert len(state.layers) == 2 and isinstance(state.layers[0], LayerState)
+    with pytest.raises(ValueError, match="RwkvState holds 2 layers"):  # another batch's state
+        model(ids[:1], cache=state)
+    with pytest.raises(ValueError, match="this model has 3 layers"):  # another model's state
+        rwkv_model(num_hidden_layers=3)(ids, cache=state)
 
 
 def test_hidden_states_and_activation_checkpointing_keep_the_forward():
