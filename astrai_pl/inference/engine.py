@@ -24,6 +24,7 @@ from itertools import count
 
 import torch
 
+from ..model.rwkv import UnsupportedMixerError, check_engine_support
 from .admission import Prompt, is_single_prompt, new_request, params_per_prompt, text_stream
 from .cache import CapacityError, InferenceError
 from .handle import Outbox, RequestHandle
@@ -66,6 +67,10 @@ class Engine:
         the chunked-prefill size. debug: recheck the pool's accounting after every step (default: the
         ASTRAI_INFERENCE_DEBUG environment variable).
         """
+        try:  # a recurrent model has no K/V for the pool to page
+            check_engine_support(model.config)
+        except UnsupportedMixerError as err:
+            raise EngineConfigError(str(err)) from None
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype or param.dtype
