@@ -17,6 +17,7 @@ from astrai_pl.commands import chat_ids
 from astrai_pl.inference import Engine, RequestHandle, SamplingParams
 from astrai_pl.inference.request import Request
 from astrai_pl.model import Transformer
+from astrai_pl.serve.sessions_api import SessionStore
 from astrai_pl.serve.state import ServerState
 
 ROUND_TIMEOUT_S = 120.0
@@ -26,18 +27,21 @@ WORDS = "the of a cat sat on mat while dogs ran far away and birds sang loud son
 
 def plan(clients: int, each: int, seed: int = 0) -> list[list[dict]]:
     """Per client, its requests: route, prompt (prompts share prefixes, so the prefix cache is used), length,
-    streaming or not, and whether the client walks away after the first streamed text."""
+    streaming or not, and whether the client walks away after the first streamed text. One client in eight
+    holds a conversation on a session instead: its requests are the turns."""
     rng = random.Random(seed)
     stems = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(4)]
     out = []
     for c in range(clients):
         requests = []
         for r in range(each):
-            text = stems[(c + r) % 4][: rng.randint(1, 200)] + f" #{c}.{r}"[: rng.randint(0, 6)]
+            session = c % 8 == 5
+            stem = stems[(c + r) % 4][: rng.randint(1, 20 if session else 200)]  # four turns fit the budget
+            text = stem + f" #{c}.{r}"[: rng.randint(0, 6)]
             kind = (c + r) % 4
             requests.append({
-                "chat": kind >= 2, "text": text, "stream": kind % 2 == 1, "max_tokens": rng.randint(1, 24),
-                "leave": kind % 2 == 1 and c % 8 == 3,
+                "chat": kind >= 2 or session, "text": text, "stream": kind % 2 == 1, "session": session,
+                "max_tokens": rng.randint(1, 24), "leave": kind % 2 == 1 and c % 8 == 3,
             })
         out.append(requests)
     return out
@@ -62,9 +66,11 @@ def piece(choice: dict, chat: bool) -> str:
     return choice.get("text") or ""
 
 
-async def ask(http: httpx.AsyncClient, request) -> tuple[int, str | None]:
+async def ask(http: httpx.AsyncClient, request, session: str | None = None) -> tuple[int, str | None]:
     """(HTTP status, the answer's text, or None when the client walked away)."""
     path, fields = body(request)
+    if session is not None:
+        path = f"/v1/sessions/{session}/chat/completions"
     if not request["stream"]:
         r = await http.post(path, json=fields)
         return r.status_code, piece(r.json()["choices"][0], request["chat"]) if r.status_code == 200 else None
@@ -86,10 +92,20 @@ async def ask(http: httpx.AsyncClient, request) -> tuple[int, str | None]:
 
 
 async def load_round(url: str, requests: list[list[dict]]) -> list[list[tuple[int, str | None]]]:
-    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
+    # idle connections are dropped well before uvicorn's 5 s keep-alive ends, so none is reused as it closes
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests),
+                          keepalive_expiry=1.0)
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT, limits=limits) as http:
         async def client(mine):
-            return [await ask(http, request) for request in mine]
+            if not mine[0]["session"]:
+                return [await ask(http, request) for request in mine]
+            created = await http.post("/v1/sessions", json={})
+            assert created.status_code == 200, created.text
+            sid = created.json()["id"]
+            try:
+                return [await ask(http, request, sid) for request in mine]
+            finally:
+                assert (await http.delete(f"/v1/sessions/{sid}")).status_code == 200
 
         return await asyncio.wait_for(asyncio.gather(*(client(m) for m in requests)), ROUND_TIMEOUT_S)
 
@@ -112,10 +128,14 @@ def live(kind) -> int:
     return sum(1 for o in gc.get_objects() if type(o) is kind)
 
 
+POOL_TOKENS = 4096  # too few for every request at once: requests wait for memory, some are preempted
+SESSION_TOKENS = 3072  # enough for the sessions' four turns (8 clients of 64), the rest for the others
+
+
 @pytest.fixture(scope="module")
 def load_engine(model_dir, tokenizer):
-    """An engine of its own (no per-step recount), with a pool too small for every request at once."""
-    return Engine(Transformer.from_pretrained(model_dir).eval(), tokenizer, max_total_tokens=2048)
+    """An engine of its own (no per-step recount)."""
+    return Engine(Transformer.from_pretrained(model_dir).eval(), tokenizer, max_total_tokens=POOL_TOKENS)
 
 
 def check_round(engine, state, url, requests, references) -> None:
@@ -138,14 +158,34 @@ def check_round(engine, state, url, requests, references) -> None:
     assert (live(Request), live(RequestHandle)) == alive  # the server kept none of this round's
 
 
+def greedy(requests) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=q["max_tokens"], temperature=0) for q in requests]
+
+
+def offline_answers(engine, tokenizer, requests: list[list[dict]]) -> list[list[str]]:
+    """`Engine.generate`'s text for each request; a session's turn on the whole conversation so far."""
+    answers = [[""] * len(mine) for mine in requests]
+    single = [(c, r) for c, mine in enumerate(requests) for r, q in enumerate(mine) if not q["session"]]
+    done = engine.generate([prompt_ids(tokenizer, requests[c][r]) for c, r in single],
+                           greedy([requests[c][r] for c, r in single]))
+    for (c, r), completion in zip(single, done):
+        answers[c][r] = completion.text
+    conversations = {c: [] for c, mine in enumerate(requests) if mine and mine[0]["session"]}
+    for r in range(max(map(len, requests))):
+        turns = {c: [*conversation, {"role": "user", "content": requests[c][r]["text"]}]
+                 for c, conversation in conversations.items()}
+        done = engine.generate([chat_ids(tokenizer, m) for m in turns.values()],
+                               greedy(requests[c][r] for c in turns))
+        for (c, messages), completion in zip(turns.items(), done):
+            answers[c][r] = completion.text
+            conversations[c] = [*messages, {"role": "assistant", "content": completion.text}]
+    return answers
+
+
 def serve_rounds(engine, tokenizer, clients, each, rounds):
     requests = plan(clients, each)
-    flat = [request for mine in requests for request in mine]
-    done = engine.generate([prompt_ids(tokenizer, q) for q in flat],
-                           [SamplingParams(max_tokens=q["max_tokens"], temperature=0) for q in flat])
-    texts = iter([c.text for c in done])
-    references = [[next(texts) for _ in mine] for mine in requests]
-    state = ServerState(engine, tokenizer, MODEL)
+    references = offline_answers(engine, tokenizer, requests)
+    state = ServerState(engine, tokenizer, MODEL, sessions=SessionStore(engine, max_tokens=SESSION_TOKENS))
     sizes = []
     with running(state) as url:
         for _ in range(rounds):
