@@ -95,6 +95,23 @@ class Generation:
             if delta.completion is not None:
                 self.completions[index] = delta.completion
             yield index, delta
+        for index, delta in self._unannounced():
+            yield index, delta
+
+    def _unannounced(self) -> list[tuple[int, Delta]]:
+        """A final delta for each sample that ended without one (max_tokens=0: prefill only), taken from its
+        closed handle; an aborted sample's completion is kept, for `raise_for_finish`, but not announced."""
+        ended = []
+        for p, handle in enumerate(self.handles):
+            if not handle.done:
+                continue
+            for c in handle.result():  # closed: returns at once
+                index = p * self.n + c.index
+                if self.completions[index] is None:
+                    self.completions[index] = c
+                    if c.finish_reason != "abort":
+                        ended.append((index, Delta(c.request_id, "", [], c.finish_reason, c)))
+        return ended
 
     async def _merged(self) -> AsyncIterator[tuple[int, Delta]]:
         if len(self.handles) == 1:

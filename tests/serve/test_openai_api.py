@@ -222,3 +222,15 @@ def test_concurrent_streams_share_the_engines_steps(async_client, engine):
     answers = asyncio.run(asyncio.wait_for(both(), 60))
     assert [len(a) for a in answers] == [length, length]
     assert engine.stats.steps - before < 2 * length - length // 2
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(client, engine):
+    """The log-likelihood request of evaluation harnesses: prefill only, the prompt's logprobs echoed."""
+    prompt = PROMPTS[1]
+    [reference] = offline(engine, [prompt], max_tokens=0, logprobs=True, prompt_logprobs=0)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    choice = out.choices[0]
+    assert (choice.text, choice.finish_reason, out.usage.completion_tokens) == (prompt, "length", 0)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([lp for lp, _ in reference.prompt_logprobs[1:]])
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks] == ["length"]
