@@ -223,11 +223,15 @@ class EventStream(StreamingResponse):
 
 
 async def read_json(request: Request) -> dict:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body has {len(raw)} bytes, the server takes at most {MAX_BODY_BYTES}")
+    """The body as a JSON object; read no further than MAX_BODY_BYTES (413 beyond)."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes, the most the server reads",
+                           code="request_too_large")
     try:
-        body = parse_json(decode_utf8(raw))
+        body = parse_json(decode_utf8(bytes(raw)))
     except (NotUtf8, UnreadableJson) as err:
         raise bad_request(f"the request body is not valid JSON ({err}); send a JSON object") from None
     if not isinstance(body, dict):

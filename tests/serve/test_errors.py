@@ -151,3 +151,13 @@ def test_a_request_failing_in_the_engine_is_a_500_or_an_error_event_and_others_g
         events = [line for line in s.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and "injected failure" in events[-2]
     still_serves(http)
+
+
+def test_a_body_over_the_limit_is_refused_with_413(http, monkeypatch):
+    from astrai_pl.serve import generation
+
+    monkeypatch.setattr(generation, "MAX_BODY_BYTES", 1000)
+    error = error_of(http.post(COMPLETIONS, json={"prompt": "x" * 2000}), 413)
+    assert error["code"] == "request_too_large"
+    monkeypatch.undo()
+    still_serves(http)
