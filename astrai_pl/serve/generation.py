@@ -43,6 +43,7 @@ class Generation:
     def __init__(self, state: ServerState, call: Call):
         self.state, self.call, self.n = state, call, call.params.n
         self.handles = []
+        self.closed = False
         self.start = time.perf_counter()
         self.first_token: float | None = None
         self.completions: list[Completion | None] = [None] * call.num_choices
@@ -65,7 +66,10 @@ class Generation:
         return self.state.engine.submit(ids, self.call.params)
 
     def close(self) -> None:
-        """Abort whatever still runs, and count the tokens of what ended."""
+        """Abort whatever still runs, and count the tokens of what ended (once: a second call does nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         for handle in self.handles:
             if not handle.done:
                 handle.abort()
