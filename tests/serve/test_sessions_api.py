@@ -196,17 +196,24 @@ def test_a_turn_while_another_runs_is_refused_and_then_served(served, engine, mo
     assert content(turn(http, sid, user("Hey"))) == content(stateless(http, history + user("Hey")))
 
 
-def test_a_client_leaving_mid_turn_aborts_it_and_the_history_stays(served, engine, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_mid_turn_aborts_it_and_the_history_stays(served, engine, monkeypatch, stream):
     http, state = served
     sid = create(http, SYSTEM)["id"]
     before = http.get(f"/v1/sessions/{sid}").json()
     forward = engine.runner.forward
     monkeypatch.setattr(engine.runner, "forward", lambda plan: (time.sleep(0.02), forward(plan))[1])
-    body = {"messages": user("Tell me a long story."), "max_tokens": 100, "temperature": 0, "stream": True}
-    with http.stream("POST", f"/v1/sessions/{sid}/chat/completions", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-                break  # the first text: walk away
+    path = f"/v1/sessions/{sid}/chat/completions"
+    body = {"messages": user("Tell me a long story."), "max_tokens": 100, "temperature": 0, "stream": stream}
+    if stream:
+        with http.stream("POST", path, json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    break  # the first text: walk away
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # gives up waiting for the whole answer, and hangs up
+            http.post(path, json=body, timeout=0.5)
+        assert state.sessions.get(sid).busy, "the turn ended before the client left"
     wait_for(lambda: not state.sessions.get(sid).busy and engine.load() == (0, 0), "the turn to be aborted")
     monkeypatch.undo()
     assert http.get(f"/v1/sessions/{sid}").json()["tokens"] == before["tokens"]
