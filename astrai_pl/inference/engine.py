@@ -401,7 +401,10 @@ class Engine:
                 req.prompt_cached = True
             if req.params.max_tokens == 0:  # prefill only: keep the logits for whoever continues
                 req.ready_logits = None
+                clones = self._fork(req)  # n samples, each the same empty completion
                 self._finish(req, "length", last_logits=row)
+                for clone in clones:
+                    self._finish(clone, "length")
                 continue
             batch.append((req, row))
             for clone in self._fork(req):

@@ -269,9 +269,6 @@ class Call:
         if body.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' needs \"stream\": true", "stream_options")
         self.num_choices = len(prompts) * params.n
-        if params.max_tokens == 0 and params.n > 1:
-            raise bad_request(f"n={params.n} samples of nothing: with max_tokens 0 (the prompt scored alone) ask "
-                              "for n=1", "n")
         if self.num_choices > MAX_CHOICES:
             raise bad_request(f"{len(prompts)} prompts × n={params.n} make {self.num_choices} completions, the "
                               f"server makes at most {MAX_CHOICES} per request; split the request",

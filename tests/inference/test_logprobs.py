@@ -96,3 +96,12 @@ def test_load_counts_running_and_waiting_requests(model, make_engine, random_pro
     while engine.has_unfinished():
         engine.step()
     assert engine.load() == (0, 0) and len(ids) == 3
+
+
+def test_n_samples_of_a_prefill_only_request_all_finish(model, make_engine, random_prompts):
+    """max_tokens=0 with n > 1 (a scored prompt asked for several times) gives n empty completions."""
+    engine = make_engine(model, page_size=4)
+    outs = engine.generate(random_prompts([10]), SamplingParams(max_tokens=0, n=3, prompt_logprobs=0))
+    assert [(o.index, o.token_ids, o.finish_reason) for o in outs] == [(i, [], "length") for i in range(3)]
+    assert all(o.prompt_logprobs == outs[0].prompt_logprobs for o in outs)
+    assert engine.usage().in_use == 0

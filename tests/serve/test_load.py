@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import MODEL, TIMEOUT, running
+from served import MODEL, TIMEOUT, running
 
 from astrai_pl.commands import chat_ids
 from astrai_pl.inference import Engine, RequestHandle, SamplingParams

@@ -4,7 +4,7 @@ import asyncio
 
 import openai
 import pytest
-from conftest import MODEL, TIMEOUT, running
+from served import MODEL, TIMEOUT, running
 
 from astrai_pl.commands import chat_ids
 from astrai_pl.inference import SamplingParams

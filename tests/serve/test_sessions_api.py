@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import MODEL, TIMEOUT, running
+from served import MODEL, TIMEOUT, running
 
 from astrai_pl.inference import SamplingParams
 from astrai_pl.serve.cli import serve_parser
