@@ -475,11 +475,13 @@ class Engine:
         text, reason = req.append(token, logprob, self.eos_token_ids, self.max_context, top)
         logprobs = [logprob] if req.params.logprobs else None
         tops = [top or []] if req.params.top_logprobs else None
+        first = len(req.tokens) == req.num_prompt + 1
+        prompt_logprobs = list(req.prompt_logprobs) if first and req.prompt_logprobs is not None else None
         completion = None
         if reason is not None:
             self._finish(req, reason)
             completion = req.completion()
-        return Delta(req.id, text, [token], reason, completion, logprobs, tops)
+        return Delta(req.id, text, [token], reason, completion, logprobs, tops, prompt_logprobs)
 
     def _finish(self, req: Request, reason: str, last_logits: torch.Tensor | None = None) -> None:
         """End `req` and release it: its row and pages go back (full computed pages to the radix cache),

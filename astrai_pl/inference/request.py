@@ -72,6 +72,7 @@ class Delta:
     completion: Completion | None = None
     logprobs: list[float] | None = None  # of token_ids, with SamplingParams.logprobs
     top_logprobs: list[Alternatives] | None = None  # per token of token_ids, with SamplingParams.top_logprobs
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # on a sample's first delta, with prompt_logprobs
 
 
 class TurnOwner(Protocol):

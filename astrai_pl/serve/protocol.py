@@ -309,6 +309,7 @@ class CompletionCall(Call):
         super().__init__(state, body, prompts, params)
         self.texts, self.echo, self.top = texts, bool(body.echo), top
         self.offsets = [0] * self.num_choices  # per choice: characters sent so far (text_offset)
+        self.unechoed: set[int] = set()  # choices whose echoed prompt waits for its logprobs
 
     def prompt_text(self, p: int) -> str:
         text = self.texts[p]
@@ -339,22 +340,37 @@ class CompletionCall(Call):
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
     def opening_chunks(self) -> list[dict]:
-        """With echo, each choice's first chunk is its prompt (its logprobs come with the completion's end)."""
+        """With echo, each choice's first chunk is its prompt. Its logprobs are known once the prompt is
+        computed, so with logprobs that chunk waits for the choice's first delta, which carries them."""
         if not self.echo:
             return []
-        chunks = []
-        for index in range(self.num_choices):
-            text = self.prompt_text(index // self.params.n)
-            self.offsets[index] = len(text)
-            chunks.append(self.chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}]))
-        return chunks
+        if self.params.logprobs:
+            self.unechoed = set(range(self.num_choices))
+            return []
+        return [self.echo_chunk(index, None) for index in range(self.num_choices)]
+
+    def echo_chunk(self, index: int, prompt_logprobs) -> dict:
+        p = index // self.params.n
+        text = self.prompt_text(p)
+        self.offsets[index] = len(text)
+        logprobs = None
+        if self.params.logprobs:
+            logprobs = self.logprobs_body(prompt_token_logprobs(self.prompts[p], prompt_logprobs), 0)
+        return self.chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}])
 
     def chunks(self, index: int, delta: Delta) -> list[dict]:
+        chunks = []
+        if index in self.unechoed:
+            self.unechoed.discard(index)
+            scored = delta.prompt_logprobs
+            if scored is None and delta.completion is not None:
+                scored = delta.completion.prompt_logprobs
+            chunks.append(self.echo_chunk(index, scored))
         entries = self.delta_logprobs(delta)
         logprobs = None if entries is None else self.logprobs_body(entries, self.offsets[index])
         self.offsets[index] += len(delta.text)
-        return [self.chunk([{"index": index, "text": delta.text, "logprobs": logprobs,
-                             "finish_reason": delta.finish_reason}])]
+        return chunks + [self.chunk([{"index": index, "text": delta.text, "logprobs": logprobs,
+                                      "finish_reason": delta.finish_reason}])]
 
 
 class ChatCall(Call):

@@ -105,3 +105,12 @@ def test_n_samples_of_a_prefill_only_request_all_finish(model, make_engine, rand
     assert [(o.index, o.token_ids, o.finish_reason) for o in outs] == [(i, [], "length") for i in range(3)]
     assert all(o.prompt_logprobs == outs[0].prompt_logprobs for o in outs)
     assert engine.usage().in_use == 0
+
+
+def test_a_streams_first_delta_carries_the_prompt_logprobs(model, make_engine, random_prompts):
+    """A streamed echo can show the prompt's scores before the first token, not only at the end."""
+    engine = make_engine(model)
+    deltas = list(engine.stream(random_prompts([9])[0], SamplingParams(max_tokens=4, prompt_logprobs=0)))
+    assert deltas[0].prompt_logprobs == deltas[-1].completion.prompt_logprobs
+    assert deltas[0].prompt_logprobs[1] is not None
+    assert all(d.prompt_logprobs is None for d in deltas[1:])

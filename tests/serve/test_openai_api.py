@@ -234,3 +234,21 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(client, engine):
     assert choice.logprobs.token_logprobs[1:] == pytest.approx([lp for lp, _ in reference.prompt_logprobs[1:]])
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, stream=True))
     assert [c.choices[0].finish_reason for c in chunks] == ["length"]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_a_streamed_echo_opens_with_the_prompt_and_its_logprobs(client, engine, max_tokens):
+    """Each choice's first chunk is its prompt with the prompt tokens' logprobs (first one null), as in the
+    unstreamed answer; the generated tokens' chunks follow."""
+    prompt = PROMPTS[0]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                      echo=True, logprobs=1)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            echo=True, logprobs=1, stream=True))
+    opening = chunks[0].choices[0]
+    assert opening.text == prompt and opening.logprobs.token_logprobs[0] is None
+    n_prompt = len(opening.logprobs.tokens)
+    assert opening.logprobs.token_logprobs == pytest.approx(whole.choices[0].logprobs.token_logprobs[:n_prompt])
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    streamed = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(whole.choices[0].logprobs.token_logprobs)
