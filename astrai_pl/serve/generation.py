@@ -29,7 +29,7 @@ from ..inference import (
     RequestHandle,
 )
 from ..jsonl import NotUtf8, UnreadableJson, decode_utf8, parse_json
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, internal_error
 from .protocol import Call, raise_for_finish
 from .state import ServerState
 
@@ -205,6 +205,8 @@ async def event_stream(generation: Generation) -> AsyncIterator[str]:
         yield _sse(err.body())
     except InferenceError as err:
         yield _sse(_engine_error(err).body())
+    except Exception as err:  # a bug: the client still gets an error event and the stream's end
+        yield _sse(json.loads(internal_error(err).body))
     yield "data: [DONE]\n\n"
 
 

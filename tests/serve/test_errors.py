@@ -117,6 +117,18 @@ def test_an_unforeseen_failure_is_a_500_in_openai_shape(http, monkeypatch):
     still_serves(http)
 
 
+def test_an_unforeseen_failure_mid_stream_ends_with_an_error_event_and_done(http, monkeypatch):
+    def broken(self, index, delta):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(protocol.CompletionCall, "chunks", broken)
+    with http.stream("POST", COMPLETIONS, json={"prompt": "x", "max_tokens": 3, "stream": True}) as s:
+        events = [line for line in s.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and '"server_error"' in events[-2] and "RuntimeError" in events[-2]
+    monkeypatch.undo()
+    still_serves(http)
+
+
 def test_the_api_key_is_required_on_v1_only(engine, tokenizer):
     import httpx
 
