@@ -12,8 +12,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "astrai_pl"
 # Top to bottom; a module may import its own layer and the layers below. "" is astrai_pl/__init__.py.
 LAYERS = (
     ("cli", "demo", "sweep", "config_reference"),  # entry points
-    ("commands", "serve"),  # generate / chat, and the HTTP server
+    ("serve",),  # the HTTP server
     ("callbacks",),  # side concerns of a training run
+    ("evaluation",),  # lm-eval over the engine: the evaluate verb and the Evaluate callback use it
+    ("commands",),  # generate / chat, and the engine loading every verb shares
     ("objectives",),  # the LightningModules
     ("parallel",),  # configure_model: FSDP2, tensor parallel, activation checkpointing, compile
     ("strategy",),  # FSDP2Strategy and its sharded checkpoints
