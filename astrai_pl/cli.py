@@ -8,6 +8,7 @@
     astrai-pl generate --model hf_dir/ --prompt "What is 2 + 3?"      (or --input prompts.jsonl --output out.jsonl)
     astrai-pl chat --model hf_dir/
     astrai-pl serve --model hf_dir/ [--port 8000] [--api-key KEY]    (OpenAI-compatible HTTP: /v1/completions, …)
+    astrai-pl evaluate --model hf_dir/ --tasks astrai_arithmetic,astrai_next_sentence --output results.json
     astrai-pl sweep configs/sweeps/sft-debug.yaml [--count N] [--dry-run]   (a W&B sweep, without a W&B server)
 
 Every config has a `wandb:` section; `--wandb.enabled true` logs the run to Weights & Biases (docs/tracking.md).
@@ -179,8 +180,14 @@ def _serve_verb(argv: list[str]) -> None:
     serve_verb(argv)
 
 
+def _evaluate_verb(argv: list[str]) -> None:
+    from .evaluation.run import evaluate_verb  # lm-eval loads only for this verb (the `eval` extra)
+
+    evaluate_verb(argv)
+
+
 VERBS = {"tokenizer": _tokenizer_verb, "convert": _convert_verb, "generate": generate_verb, "chat": chat_verb,
-         "sweep": sweep_verb, "serve": _serve_verb}
+         "sweep": sweep_verb, "serve": _serve_verb, "evaluate": _evaluate_verb}
 
 
 def main(argv: list[str] | None = None) -> None:

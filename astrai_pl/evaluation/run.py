@@ -24,10 +24,11 @@ from .lm import AstraiLM
 from .tasks import SHIPPED, TaskError, task_specs
 
 
-def evaluate(lm: AstraiLM, tasks: Sequence[str], *, include_path: Sequence[str | Path] = (),
+def evaluate(lm: AstraiLM, tasks: Sequence[str | dict[str, Any]], *, include_path: Sequence[str | Path] = (),
              num_fewshot: int | None = None, limit: int | float | None = None, apply_chat_template: bool = False,
              log_samples: bool = False, seed: int = 0) -> dict[str, Any]:
-    """`lm_eval.simple_evaluate` on `lm` with the shipped tasks (and `include_path`) found by name."""
+    """`lm_eval.simple_evaluate` on `lm` (any lm-eval `LM`) with the shipped tasks and those of `include_path`
+    found by name; a task may also be given as a config dict (e.g. `local_copy`'s)."""
     from lm_eval import simple_evaluate
 
     if not tasks:

@@ -75,11 +75,13 @@ def _resolve(files: str | list[str], path: Path) -> str | list[str]:
     return str(target)
 
 
-def task_specs(names: Sequence[str], include_paths: Sequence[str | Path] = ()) -> list[str | dict[str, Any]]:
+def task_specs(names: Sequence[str | dict[str, Any]], include_paths: Sequence[str | Path] = ()
+               ) -> list[str | dict[str, Any]]:
     """What `lm_eval.simple_evaluate(tasks=…)` takes for each name: the config of a shipped or included task on
-    local JSON data, else the name itself (lm-eval's registry, with `include_paths` added to it)."""
+    local JSON data, else the name itself (lm-eval's registry, with `include_paths` added to it). A config
+    (a dict) is passed on as it is."""
     local = local_task_configs([SHIPPED, *include_paths])
-    return [local.get(name, name) for name in names]
+    return [name if isinstance(name, dict) else local.get(name, name) for name in names]
 
 
 def local_copy(task: str, data_files: dict[str, str | Path], task_manager: Any = None) -> dict[str, Any]:

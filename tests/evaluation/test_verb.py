@@ -1,0 +1,103 @@
+"""`astrai-pl evaluate`, the shipped tasks, local tasks, and generate_until's stops."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from lm_eval.api.instance import Instance
+
+from astrai_pl.cli import main
+from astrai_pl.evaluation import SHIPPED, local_copy, task_specs
+from astrai_pl.evaluation.run import evaluate_verb
+from astrai_pl.evaluation.tasks import arithmetic_rows, next_sentence_rows
+
+
+def test_the_verb_writes_lm_evals_results_and_prints_the_table(hf_dir, tmp_path):
+    out, stdout = tmp_path / "results.json", io.StringIO()
+    evaluate_verb(["--model", str(hf_dir), "--tasks", "astrai_arithmetic,astrai_next_sentence", "--limit", "3",
+                   "--max-total-tokens", "4096", "--output", str(out)], stdout=stdout)
+    results = json.loads(out.read_text())
+    assert set(results["results"]) == {"astrai_arithmetic", "astrai_next_sentence"}
+    assert 0 <= results["results"]["astrai_arithmetic"]["exact_match,last_integer"] <= 1
+    assert {"acc,none", "acc_norm,none"} <= set(results["results"]["astrai_next_sentence"])
+    assert results["n-samples"]["astrai_next_sentence"]["effective"] == 3
+    assert "samples" not in results and not list(tmp_path.glob(".*"))  # no temporary file left behind
+    assert "astrai_next_sentence" in stdout.getvalue() and "exact_match" in stdout.getvalue()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", " , "], "names no task"),
+    (["--tasks", "astrai_arithmetic", "--include-path", "/nonexistent"], "is not a folder"),
+    (["--tasks", "astrai_arithmetic", "--limit", "2.5"], "--limit 2.5"),
+    pytest.param(["--tasks", "no_such_task_anywhere"], "no_such_task_anywhere", marks=pytest.mark.slow),
+])
+def test_bad_arguments_are_refused_naming_them(hf_dir, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["evaluate", "--model", str(hf_dir), "--max-total-tokens", "2048", *argv])
+
+
+def test_an_included_local_task_is_found_by_name_from_any_directory(ours, tmp_path, monkeypatch):
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "rows.jsonl").write_text(json.dumps({"q": "Say hi", "a": "hi"}) + "\n")
+    (folder / "mine.yaml").write_text(
+        "task: my_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: rows.jsonl\n"
+        "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+        "metric_list:\n  - metric: perplexity\n")
+    monkeypatch.chdir(tmp_path.parent)  # data_files resolve against the YAML file's folder, not here
+    [spec] = task_specs(["my_local"], [folder])
+    assert spec["dataset_kwargs"]["data_files"]["test"] == str(folder / "rows.jsonl")
+    from astrai_pl.evaluation import evaluate
+
+    results = evaluate(ours, ["my_local"], include_path=[folder])
+    assert results["results"]["my_local"]["perplexity,none"] > 1
+
+
+def test_a_missing_data_file_is_named(tmp_path):
+    (tmp_path / "bad.yaml").write_text("task: bad\ndataset_path: json\ndataset_kwargs:\n  data_files: nope.jsonl\n")
+    with pytest.raises(ValueError, match="nope.jsonl does not exist"):
+        task_specs(["bad"], [tmp_path])
+
+
+@pytest.mark.slow  # indexing lm-eval's own tasks takes ~20 s
+def test_local_copy_runs_a_registered_lm_eval_task_on_local_rows(ours, tmp_path):
+    """The way to run any of lm-eval's tasks offline: its YAML config, with the rows from a local file."""
+    from astrai_pl.evaluation import evaluate
+    from astrai_pl.evaluation.run import task_manager
+
+    rows = tmp_path / "wikitext.jsonl"
+    rows.write_text(json.dumps({"page": "A short page of text.\n"}) + "\n")
+    spec = local_copy("wikitext", {"test": rows}, task_manager((), True))
+    assert spec["dataset_path"] == "json" and spec["task"] == "wikitext"
+    spec.update(validation_split=None, training_split=None, fewshot_split=None)
+    results = evaluate(ours, [spec])
+    assert results["results"]["wikitext"]["word_perplexity,none"] > 1
+
+
+def _until(ours, context, **gen_kwargs):
+    [text] = ours.generate_until([Instance("generate_until", {}, (context, gen_kwargs), 0)])
+    return text
+
+
+def test_generate_until_stops_at_the_first_stop_string_and_at_max_gen_toks(ours):
+    free = _until(ours, "What is", until=[], max_gen_toks=12)
+    stop = next(c for c in free[1:] if c.isprintable() and c != "\ufffd")
+    cut = _until(ours, "What is", until=[stop], max_gen_toks=12)
+    assert cut == free[:free.index(stop)] and len(cut) < len(free)
+    assert len(ours.tok_encode(_until(ours, "What is", until=[], max_gen_toks=3), add_special_tokens=False)) <= 3
+
+
+def test_shipped_rows_are_deterministic_and_well_formed():
+    assert arithmetic_rows(20) == arithmetic_rows(20)
+    docs = [{"title": f"d{i}", "text": f"Sentence number {i} opens the text here. It goes on with more words "
+             f"about {i}. Then a third sentence closes document {i}."} for i in range(6)]
+    rows = next_sentence_rows(docs, n=10)
+    assert rows == next_sentence_rows(docs, n=10) and rows
+    for row in rows:
+        assert len(row["choices"]) == 4 and len(set(row["choices"])) == 4
+        truth = row["choices"][row["label"]]
+        assert row["title"] in truth.replace("document ", "d").replace("about ", "d") or truth.startswith("It")
+    shipped = [json.loads(line) for line in (SHIPPED / "next_sentence.jsonl").read_text().splitlines()]
+    assert len(shipped) >= 100 and all(0 <= r["label"] < 4 and len(r["choices"]) == 4 for r in shipped)
