@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from ..inference import (
     CapacityError,
@@ -27,14 +29,16 @@ from ..inference import (
     PromptError,
     RequestError,
     RequestHandle,
+    SamplingParamsError,
 )
 from ..jsonl import NotUtf8, UnreadableJson, decode_utf8, parse_json
-from .errors import APIError, bad_request, internal_error
+from .errors import APIError, bad_request, from_sampling_error, internal_error, log
 from .protocol import Call, raise_for_finish
 from .state import ServerState
 
 MAX_BODY_BYTES = 32 * 2**20
 DISCONNECT_POLL_S = 0.1
+STALL_TIMEOUT_S = 60.0  # a stream whose client takes none of its bytes for this long is ended
 
 
 class Generation:
@@ -53,9 +57,9 @@ class Generation:
         except PromptError as err:
             self.close()
             raise bad_request(str(err), "prompt" if call.object == "text_completion" else "messages") from None
-        except CapacityError as err:
+        except (CapacityError, SamplingParamsError) as err:  # the engine's own limits (n, stop ids in vocab)
             self.close()
-            raise bad_request(str(err)) from None
+            raise from_sampling_error(err) from None
         except BaseException:
             self.close()
             raise
@@ -210,9 +214,15 @@ async def event_stream(generation: Generation) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+class ClientStalled(Exception):
+    """A stream's client kept its connection open but stopped reading for STALL_TIMEOUT_S."""
+
+
 class EventStream(StreamingResponse):
-    """A streamed answer that releases its requests however it ends: finished, failed, or the client gone
-    before or during the stream (a generator that never ran has no `finally` of its own)."""
+    """A streamed answer that releases its requests however it ends: finished, failed, the client gone
+    before or during the stream (a generator that never ran has no `finally` of its own), or the client
+    stalled: a reader that takes no bytes would otherwise hold its --max-queue slot (and a session's turn)
+    for as long as it keeps the connection open."""
 
     def __init__(self, state: ServerState, generation: Generation):
         super().__init__(event_stream(generation), media_type="text/event-stream",
@@ -220,8 +230,16 @@ class EventStream(StreamingResponse):
         self.state, self.generation = state, generation
 
     async def __call__(self, scope, receive, send) -> None:
+        async def send_or_stall(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), STALL_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise ClientStalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_stall)
+        except ClientStalled:  # the server closes the connection of a response it did not finish
+            log.warning("a stream's client read nothing for %s s; its request was aborted", STALL_TIMEOUT_S)
         finally:
             await self.body_iterator.aclose()
             self.generation.close()
@@ -231,18 +249,53 @@ class EventStream(StreamingResponse):
 async def read_json(request: Request) -> dict:
     """The body as a JSON object; read no further than MAX_BODY_BYTES (413 beyond)."""
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes, the most the server reads",
-                           code="request_too_large")
     try:
-        body = parse_json(decode_utf8(bytes(raw)))
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes, the most the server reads",
+                               code="request_too_large")
+    except ClientDisconnect:  # gone before the body was whole: nothing to answer, nothing went wrong here
+        raise APIError(499, "the client disconnected", code="client_closed_request") from None
+    try:
+        text = decode_utf8(bytes(raw))
+        body = parse_json(text)
     except (NotUtf8, UnreadableJson) as err:
         raise bad_request(f"the request body is not valid JSON ({err}); send a JSON object") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    if _SURROGATE_ESCAPE.search(text) and (where := _lone_surrogate(body)) is not False:
+        raise bad_request(f"{f'{where!r}' if where else 'the request body'} holds a lone UTF-16 surrogate escape "
+                          "(\\ud800-\\udfff without its pair), which is no character; send valid Unicode", where)
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into parsed JSON
+
+
+def _lone_surrogate(body: dict) -> str | None | bool:
+    """The path of the first string in `body` not encodable as UTF-8 (None: a key of the body itself), else
+    False: such a string fails in the tokenizer and in every response that quotes it."""
+    todo: list[tuple[str | None, object]] = [(None, body)]
+    while todo:  # iterative: the body may nest as deep as the JSON parser allows
+        path, value = todo.pop()
+        if isinstance(value, str) and not _encodable(value):
+            return path
+        if isinstance(value, dict):
+            if not all(_encodable(key) for key in value):  # the path names the object, not the key
+                return path
+            todo += [(f"{path}.{k}" if path else k, v) for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    return False
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def generate(request: Request, state: ServerState, parse, start=Generation) -> Response:

@@ -124,7 +124,7 @@ def chat_messages(messages) -> list[dict[str, str]]:
         role = message.get("role")
         if role in ("tool", "function"):
             raise bad_request(f"'{where}.role' is {role!r}: tool calls are not supported by this server", f"{where}.role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or object is not hashable
             raise bad_request(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {str(role)[:40]!r}",
                               f"{where}.role")
         if message.get("tool_calls"):

@@ -71,7 +71,7 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}' "
+            raise APIError(404, f"the model '{model[:80]}' does not exist; this server serves '{self.model_name}' "
                                 "(GET /v1/models)", param="model", code="model_not_found")
 
     def admit(self) -> None:
