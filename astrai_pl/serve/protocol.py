@@ -29,6 +29,8 @@ from .errors import APIError, bad_request, from_sampling_error, from_validation_
 
 MAX_CHOICES = 1024  # prompts × n in one request
 MAX_STOPS = {"stop": 16, "stop_token_ids": 256}  # each is checked on every token: a long list slows every request
+MAX_STOP_CHARS = 256  # on every token the engine tests each tail of the text up to the longest stop's length
+MAX_LOGPROB_ENTRIES = 2**20  # log-probabilities (chosen and alternatives) one request's choices may hold in memory
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 
@@ -188,6 +190,11 @@ def sampling_params(body: _SamplingFields, max_tokens: int | None, extra_stop_id
         if isinstance(value, list) and len(value) > MAX_STOPS[name]:
             raise bad_request(f"'{name}' holds {len(value)} entries, the server takes at most {MAX_STOPS[name]}",
                               name)
+    stop = fields["stop"]  # a wrong type is SamplingParams' to refuse
+    for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []:
+        if isinstance(text, str) and len(text) > MAX_STOP_CHARS:
+            raise bad_request(f"'stop' holds a string of {len(text)} characters, the server takes at most "
+                              f"{MAX_STOP_CHARS} per stop string", "stop")
     try:
         params = SamplingParams(**fields, logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                                 stop_token_ids=stop_ids)
@@ -273,6 +280,14 @@ class Call:
             raise bad_request(f"{len(prompts)} prompts × n={params.n} make {self.num_choices} completions, the "
                               f"server makes at most {MAX_CHOICES} per request; split the request",
                               "n" if len(prompts) == 1 else "prompt")
+        if params.logprobs:
+            scored = params.max_tokens + (max(map(len, prompts)) if params.prompt_logprobs is not None else 0)
+            entries = self.num_choices * scored * (1 + params.top_logprobs)
+            if entries > MAX_LOGPROB_ENTRIES:
+                raise bad_request(f"{self.num_choices} completions × {scored} scored tokens × "
+                                  f"{1 + params.top_logprobs} log-probabilities make {entries}, the server "
+                                  f"keeps at most {MAX_LOGPROB_ENTRIES} per request; lower n, max_tokens or "
+                                  "the alternatives asked for, or split the request", "logprobs")
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -31,6 +31,13 @@ CASES = [  # (route, raw JSON body, param the 400 names, words its message holds
     (COMPLETIONS, b'{"prompt": "x", "stop_token_ids": [1000000000000000000000000000000]}', "stop_token_ids",
      "outside the vocabulary"),
     (COMPLETIONS, b'{"prompt": "x", "n": 100}', "n", "max_batch_size"),
+    # every token tests each tail of the text as long as the longest stop string, under the engine's lock
+    (COMPLETIONS, json.dumps({"prompt": "x", "stop": "s" * 100_000}).encode(), "stop", "at most 256"),
+    (CHAT, json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": ["\n", "s" * 300]}).encode(), "stop",
+     "300 characters"),
+    # 128 × 500 × 21 log-probabilities held at once for a 1 kB request
+    (COMPLETIONS, json.dumps({"prompt": ["x"] * 128, "max_tokens": 500, "logprobs": 20}).encode(), "logprobs",
+     "at most 1048576"),
 ]
 
 
