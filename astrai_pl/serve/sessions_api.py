@@ -352,6 +352,9 @@ def sessions_router(state) -> APIRouter:
             except BaseException:
                 store.close(stored.id)
                 raise
+        if await request.is_disconnected():  # no one would learn its id: it would pin its pages for its TTL
+            store.close(stored.id)
+            raise APIError(499, "the client disconnected", code="client_closed_request")
         return stored.describe()
 
     @router.get("/{session_id}")

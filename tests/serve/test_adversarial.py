@@ -4,6 +4,7 @@ a 500), leaves nothing held in the engine, and the server answers the next reque
 import asyncio
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from test_metrics import requests_of, scrape
 
 from astrai_pl.serve import generation
 from astrai_pl.serve.app import create_app
+from astrai_pl.serve.sessions_api import rendered
 from astrai_pl.serve.state import ServerState
 
 CHAT = "/v1/chat/completions"
@@ -110,3 +112,35 @@ def test_a_stream_whose_client_stops_reading_ends_and_frees_its_slot(engine, tok
     while engine.usage().in_use or engine.load() != (0, 0):
         assert time.monotonic() < deadline, f"the stalled stream's request still holds {engine.usage()}"
         time.sleep(0.02)
+
+
+def test_a_session_whose_creator_left_during_its_prefill_is_closed(http, url, state, engine, tokenizer,
+                                                                   monkeypatch):
+    """Its id would reach no one, so it would pin its pages until its TTL; it is closed once computed."""
+    warm = [{"role": "system", "content": "Warm context " * 30}]
+    marker = rendered(tokenizer, warm, generation_prompt=False)
+    computed, forward = threading.Event(), engine.runner.forward
+
+    def gated_forward(plan):  # the warm prompt's prefill waits until its client has gone
+        if any(req.tokens[: len(marker)] == marker for req, _ in plan):
+            computed.wait(TIMEOUT)
+        return forward(plan)
+
+    monkeypatch.setattr(engine.runner, "forward", gated_forward)
+    live = len(state.sessions)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"messages": warm}).encode()
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+        s.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + TIMEOUT
+        while len(state.sessions) == live:
+            assert time.monotonic() < deadline, "the session was never opened"
+            time.sleep(0.01)
+    computed.set()
+    deadline = time.monotonic() + 10
+    while len(state.sessions) > live or engine.usage().in_use:
+        assert time.monotonic() < deadline, f"{len(state.sessions) - live} orphan session(s) hold {engine.usage()}"
+        time.sleep(0.02)
+    monkeypatch.undo()
+    still_serves(http)
