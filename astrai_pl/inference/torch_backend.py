@@ -9,7 +9,11 @@ K/V are gathered a page at a time (a page's slots are contiguous): the same byte
 with page_size× fewer indices. Pages longer than `max_gather_page` (the contiguous layout) are gathered
 token by token, so only the context is copied.
 
-While the same requests keep decoding, their contexts are not gathered again every step: a
+On CPU in float32, where the fused CPU kernels build, the decodes go to `cpu_ops.paged_decode_attention`
+instead: it reads each request's K/V where they lie in the pool (through req_to_token), so nothing is
+gathered or mirrored, and requests sharing prefix pages read them from cache after the first one.
+
+Elsewhere, while the same requests keep decoding, their contexts are not gathered again every step: a
 `DecodeMirror` keeps dense copies, built with one gather once a decode batch has stayed the same for
 two steps, then extended by each step's new token. It is valid only for the very next step of exactly
 the same requests, each one token longer; anything else (a request joins, finishes, is preempted)
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..ops import cpu as cpu_ops
 from .step_view import StepView
 
 MIRROR_BYTES = 256 * 1024**2  # above this the decode group is gathered every step instead
@@ -55,7 +60,7 @@ class _Group:
     """Requests attended in one padded SDPA call: queries (n, E), keys (n, C)."""
 
     kv_index: torch.Tensor | None  # (n, C / unit) pages of `unit` slots (padding: a real page, masked)
-    mask: torch.Tensor  # (n, 1, G·E, C) bool, True = may attend
+    mask: torch.Tensor | None  # (n, 1, G·E, C) bool, True = may attend (None for the CPU kernel's group)
     q_index: torch.Tensor | None  # (n, E) into the step's tokens; None: decode group (E = 1, in order)
     out_index: torch.Tensor | None  # (valid,) rows of the flattened (n·E) output that are real tokens
     dst: torch.Tensor | None  # (valid,) where those rows go in the step's output
@@ -63,6 +68,7 @@ class _Group:
     mirror: DecodeMirror | None = None  # decode group read from dense copies instead of the pool
     new_rows: torch.Tensor | None = None  # (n·Hkv,) rows of a mirror layer seen as (n·Hkv·capacity, D) where
     # this step's K/V go: one index_copy_ per layer instead of an advanced-index store
+    kv_lens: torch.Tensor | None = None  # (n,) int32: a decode group the CPU kernel reads from the pool
 
 
 class TorchBackend:
@@ -83,6 +89,9 @@ class TorchBackend:
     def _decode_group(self, view: StepView, unit: int) -> _Group:
         nd = view.num_decode
         kv_lens = view.kv_lens[:nd]
+        if _kernel_reads_pool(view):  # no gather, no mirror: the kernel reads each context where it lies
+            lens = torch.tensor(kv_lens, dtype=torch.int32)
+            return _Group(None, None, None, None, None, max(kv_lens), kv_lens=lens)
         lens = torch.tensor(kv_lens, device=view.rows.device)
         mirror = _mirror(view, kv_lens)
         width = max(kv_lens) if mirror is not None else -(-max(kv_lens) // unit) * unit
@@ -123,6 +132,16 @@ class TorchBackend:
         G = Hq // Hkv
         out = None if len(groups) == 1 and groups[0].q_index is None else q.new_empty(T, Hq, D)
         for g in groups:
+            if g.kv_lens is not None:  # decode group, CPU kernel: the first n tokens, one per request
+                n = g.kv_lens.shape[0]
+                o = out[:n] if out is not None else None
+                o = cpu_ops.paged_decode_attention(
+                    q[:n], view.storage.k[layer_idx], view.storage.v[layer_idx], view.req_to_token,
+                    view.rows[:n], g.kv_lens, g.width, out=o,
+                )
+                if out is None:
+                    return o
+                continue
             k, v = _context(view, layer_idx, g, unit, k_new, v_new)  # (n, Hkv, C, D)
             n, E = k.shape[0], g.width
             if g.q_index is None:  # decode: the first n tokens, one per request
@@ -136,6 +155,12 @@ class TorchBackend:
             o = o.view(n, Hkv, G, E, D).permute(0, 3, 1, 2, 4).reshape(n * E, Hq, D)
             out.index_copy_(0, g.dst, o[g.out_index])
         return out
+
+
+def _kernel_reads_pool(view: StepView) -> bool:
+    """Whether the decode group goes to `cpu_ops.paged_decode_attention` (float32 on CPU, kernels built)."""
+    k = view.storage.k
+    return cpu_ops.paged_decode_attention_usable(k[0, :1], k[0], view.storage.v[0])
 
 
 def _context(

@@ -5,6 +5,8 @@
     swiglu     silu(gate) · up forward and backward in one pass (float32; its own vectorized exp)
     panel_matmul  a few rows times a weight packed in 64-column panels (`pack_panels`): the inference
                engine's projections on CPU, bound by reading the weights (float32, no autograd)
+    paged_decode_attention  one query per request over its K/V where they lie in the paged pool: the
+               inference engine's decode attention on CPU, nothing gathered (float32, no autograd)
 
 Eager PyTorch runs RMSNorm as five ops forward and about ten backward, and the rotary embedding as five
 each way, every one a pass over the activations into a fresh tensor; the kernels read the rows once each
@@ -48,7 +50,10 @@ from .build import Override
 log = logging.getLogger("astrai_pl.ops")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
+# -fno-trapping-math: without it GCC keeps a float compare-and-select (exp's clamp) as a branch, and the
+# loops around it (SwiGLU, softmax) stay scalar; no kernel relies on floating-point traps.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math", "-shared", "-fPIC",
+         "-std=c11")
 
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
@@ -105,8 +110,10 @@ def _build() -> ctypes.CDLL:
     lib.pack_panels.argtypes = [f32, long, long, f32, long, c_int]
     lib.swiglu_forward.argtypes = [f32, long, f32, long, f32, long, long, c_int]
     lib.swiglu_backward.argtypes = [f32, f32, f32, f32, f32, long, long, c_int]
+    lib.paged_decode_attention.argtypes = [f32, f32, f32, f32, long, f32, f32, f32, long, long, long, long,
+                                           c_float, long, c_int]
     for fn in (lib.rms_norm_forward, lib.rms_norm_backward, lib.rotary, lib.panel_matmul, lib.pack_panels,
-               lib.swiglu_forward, lib.swiglu_backward):
+               lib.swiglu_forward, lib.swiglu_backward, lib.paged_decode_attention):
         fn.restype = None
     return lib
 
@@ -345,3 +352,36 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> to
         load().panel_matmul(_ptr(x2), x2.stride(0), _ptr(panels), _ptr(y), x2.shape[0], K, out_features,
                             torch.get_num_threads())
     return y.view(*x.shape[:-1], out_features)
+
+
+def paged_decode_attention_usable(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` takes these: see `_takes`; q (n, Hq, D) and pools (slots, Hkv, D)
+    dense, Hq a multiple of Hkv, D a multiple of 8."""
+    return (
+        q.dim() == 3 and k_pool.dim() == 3 and k_pool.shape == v_pool.shape and q.shape[2] == k_pool.shape[2]
+        and q.shape[2] % 8 == 0
+        and q.shape[1] % k_pool.shape[1] == 0 and k_pool.is_contiguous() and v_pool.is_contiguous()
+        and _takes(q, k_pool, v_pool)
+    )  # fmt: skip
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
+                           rows: torch.Tensor, kv_lens: torch.Tensor, max_len: int,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q·Kᵀ/√D)·V for q (n, Hq, D), one query per request i over its positions 0 … kv_lens[i]-1,
+    whose slots are req_to_token[rows[i]] in k_pool / v_pool (slots, Hkv, D); query head h·G+g uses kv
+    head h. Float32 CPU, no autograd (check `paged_decode_attention_usable` first); `out` (n, Hq, D)
+    dense, or a new tensor. rows int64, kv_lens int32 (n,), each in [1, max_len]; req_to_token int32."""
+    n, Hq, D = q.shape
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+    assert rows.dtype == torch.int64 and kv_lens.dtype == torch.int32 and rows.is_contiguous()
+    q = q.contiguous()
+    out = q.new_empty(n, Hq, D) if out is None else out
+    assert out.is_contiguous() and out.shape == q.shape
+    work = int(n) * k_pool.shape[1] * max_len * D  # elements of K read, about
+    threads = min(torch.get_num_threads(), n * k_pool.shape[1]) if work >= 32768 else 1
+    if n:
+        load().paged_decode_attention(_ptr(q), _ptr(k_pool), _ptr(v_pool), _ptr(req_to_token),
+                                      req_to_token.stride(0), _ptr(rows), _ptr(kv_lens.contiguous()), _ptr(out),
+                                      n, Hq, k_pool.shape[1], D, 1.0 / D**0.5, max_len, threads)
+    return out

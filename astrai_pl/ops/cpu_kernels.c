@@ -7,8 +7,12 @@
  * Every tensor is float32, contiguous, rows x dim. Sums are taken in float, as PyTorch's CPU mean is.
  */
 #include <math.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) per row; rstd is kept for the backward. */
@@ -87,71 +91,85 @@ void rotary(const float *x, long x_stride, const float *cos, const float *sin, f
 /* ---- matmul of a few rows against a weight packed in 64-column panels -------------------------------
  * y (M, N) = x (M, K) @ W^T for W (N, K), with W packed as panels (ceil(N/64), K, 64): panel p holds
  * columns 64p…64p+63, each k a contiguous run of 64 floats, so a panel is read as one stream. A tile of
- * up to 6 rows x 64 columns lives in 24 vector registers while k runs; each row block re-reads the panel
- * from L2, and while it does, it prefetches its share of the next panel into L2 (spread over its steps), so
+ * R rows x W columns lives in registers while k runs: with AVX-512 up to 6 rows x all 64 columns (24 of
+ * its 32 registers); with AVX2 (16 registers) 1 x 64, 2 x 32 or up to 6 x 16 (at most 12 accumulators:
+ * a wider tile spills every step), the strips of a panel in turn. Each row block re-reads the panel from
+ * L2, and while it does, it prefetches its share of the next panel into L2 (spread over its steps), so
  * the weights stream from memory behind the arithmetic instead of ahead of it. With the few rows of a
  * decode step this is bound by reading the weights, which is what it is built to do fast. */
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 #define PANEL 64
 #define TILE_ROWS 6
+#if defined(__AVX512F__)
+#define VEC 16
+#else
+#define VEC 8
+#endif
+typedef float vec __attribute__((vector_size(VEC * 4), aligned(4)));
 
-#define DEFINE_TILE(R)                                                                                   \
-    static void tile##R(const float *x, long ldx, const float *wp, float *y, long ldy, long K, long cols, \
-                        const char *pf, long pf_lines, long per_step) {                                   \
-        vec16 acc[R][4];                                                                                  \
-        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = (vec16){0}; \
+#define DEFINE_TILE(R, W)                                                                                \
+    static void tile##R##_##W(const float *x, long ldx, const float *wp, float *y, long ldy, long K,      \
+                              long cols, const char *pf, long pf_lines, long per_step) {                  \
+        enum { V = W / VEC };                                                                             \
+        vec acc[R][V];                                                                                    \
+        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)                                               \
+            _Pragma("GCC unroll 8") for (int j = 0; j < V; ++j) acc[m][j] = (vec){0};                     \
         for (long k = 0; k < K; ++k, wp += PANEL) {                                                       \
             for (long l = k * per_step; l < (k + 1) * per_step && l < pf_lines; ++l)                     \
                 __builtin_prefetch(pf + l * 64, 0, 2);                                                    \
-            const vec16 b0 = *(const vec16 *)wp, b1 = *(const vec16 *)(wp + 16);                          \
-            const vec16 b2 = *(const vec16 *)(wp + 32), b3 = *(const vec16 *)(wp + 48);                   \
+            vec b[V];                                                                                     \
+            _Pragma("GCC unroll 8") for (int j = 0; j < V; ++j) b[j] = *(const vec *)(wp + j * VEC);      \
             _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                         \
                 const float a = x[m * ldx + k];                                                           \
-                acc[m][0] += a * b0; acc[m][1] += a * b1; acc[m][2] += a * b2; acc[m][3] += a * b3;       \
+                _Pragma("GCC unroll 8") for (int j = 0; j < V; ++j) acc[m][j] += a * b[j];                \
             }                                                                                             \
         }                                                                                                 \
         /* constant-size stores only: a variable-size copy out of acc would keep it in memory, not registers */ \
         _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                             \
-            if (cols == PANEL) {                                                                          \
+            if (cols == W) {                                                                              \
                 memcpy(y + m * ldy, acc[m], sizeof(acc[m]));                                              \
             } else {                                                                                      \
-                float last[PANEL];                                                                        \
+                float last[W];                                                                            \
                 memcpy(last, acc[m], sizeof(last));                                                       \
                 memcpy(y + m * ldy, last, sizeof(float) * cols);                                          \
             }                                                                                             \
         }                                                                                                 \
     }
-DEFINE_TILE(1)
-DEFINE_TILE(2)
-DEFINE_TILE(3)
-DEFINE_TILE(4)
-DEFINE_TILE(5)
-DEFINE_TILE(6)
+typedef void (*tile_fn)(const float *, long, const float *, float *, long, long, long, const char *, long, long);
+#if defined(__AVX512F__)
+DEFINE_TILE(1, 64) DEFINE_TILE(2, 64) DEFINE_TILE(3, 64) DEFINE_TILE(4, 64) DEFINE_TILE(5, 64) DEFINE_TILE(6, 64)
+static const tile_fn TILES[TILE_ROWS + 1] = {0, tile1_64, tile2_64, tile3_64, tile4_64, tile5_64, tile6_64};
+static const long TILE_WIDTH[TILE_ROWS + 1] = {0, 64, 64, 64, 64, 64, 64};
+#else
+DEFINE_TILE(1, 64) DEFINE_TILE(2, 32) DEFINE_TILE(3, 16) DEFINE_TILE(4, 16) DEFINE_TILE(5, 16) DEFINE_TILE(6, 16)
+static const tile_fn TILES[TILE_ROWS + 1] = {0, tile1_64, tile2_32, tile3_16, tile4_16, tile5_16, tile6_16};
+static const long TILE_WIDTH[TILE_ROWS + 1] = {0, 64, 32, 16, 16, 16, 16};
+#endif
 
 void panel_matmul(const float *x, long ldx, const float *panels, float *y, long M, long K, long N, int threads) {
     if (M <= 0 || K <= 0 || N <= 0) return;
     const long num_panels = (N + PANEL - 1) / PANEL, panel_size = (long)PANEL * K;
     const long lines = panel_size * (long)sizeof(float) / 64, passes = (M + TILE_ROWS - 1) / TILE_ROWS;
-    const long share = (lines + passes - 1) / passes; /* lines of the next panel each row block prefetches */
-    const long per_step = (share + K - 1) / K;        /* spread over its K steps */
-#pragma omp parallel for num_threads(threads) schedule(static)
+    const long block_share = (lines + passes - 1) / passes; /* lines of the next panel each row block prefetches */
+    /* Runs of panels handed out as threads ask (a thread whose core is busy with another process takes
+     * fewer), each long enough that the next panel a thread prefetches is mostly its own. */
+    const long run = num_panels / (8L * threads) > 1 ? num_panels / (8L * threads) : 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, run)
     for (long p = 0; p < num_panels; ++p) {
         const float *wp = panels + p * panel_size;
-        const int last = p + 1 == num_panels;
+        const int last = p + 1 == num_panels; /* the last panel prefetches nothing */
         const char *next = (const char *)(panels + (p + 1) * panel_size);
-        const long cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+        const long width = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
         for (long pass = 0, m0 = 0; m0 < M; m0 += TILE_ROWS, ++pass) {
-            const long first = pass * share, todo = last ? 0 : (lines - first < share ? lines - first : share);
-            const float *xx = x + m0 * ldx;
-            float *yy = y + m0 * N + p * PANEL;
-            const char *pf = last ? (const char *)wp : next + first * 64; /* the last panel prefetches nothing */
-            switch (M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS) {
-                case 1: tile1(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
-                case 2: tile2(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
-                case 3: tile3(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
-                case 4: tile4(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
-                case 5: tile5(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
-                default: tile6(xx, ldx, wp, yy, N, K, cols, pf, todo, per_step); break;
+            const long rows = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, strip = TILE_WIDTH[rows];
+            const long block_end = (pass + 1) * block_share < lines ? (pass + 1) * block_share : lines;
+            const long share = (block_share + PANEL / strip - 1) / (PANEL / strip); /* per strip, over its K steps */
+            const long per_step = (share + K - 1) / K;
+            for (long c0 = 0; c0 < width; c0 += strip) {
+                const long first = pass * block_share + (c0 / strip) * share;
+                const long todo = last || first >= block_end ? 0 : (block_end - first < share ? block_end - first : share);
+                const long cols = width - c0 < strip ? width - c0 : strip;
+                TILES[rows](x + m0 * ldx, ldx, wp + c0, y + m0 * N + p * PANEL + c0, N, K, cols,
+                            last ? (const char *)wp : next + first * 64, todo, per_step);
             }
         }
     }
@@ -214,5 +232,112 @@ void swiglu_backward(const float *gate, const float *up, const float *grad, floa
         const float g = gate[i], s = 1.0f / (1.0f + exp_approx(-g)), d = grad[i];
         d_up[i] = d * g * s;
         d_gate[i] = d * up[i] * s * (1.0f + g * (1.0f - s));
+    }
+}
+
+/* ---- decode attention straight from a paged KV pool -------------------------------------------------
+ * One query token per request: out (n, hq, dim) = softmax(q·Kᵀ·scale)·V over the request's first
+ * kv_lens[i] positions, whose slots are table[rows[i]·table_stride + t] in pools (slots, hkv, dim); dim a
+ * multiple of 8. Query heads h·G … h·G+G-1 (G = hq / hkv) share kv head h. Nothing is gathered: each
+ * (kv head, request) item reads its keys and values where they lie. Scores go to a per-thread buffer, 8
+ * keys at a time: each key's 8 dot-product lanes in their own register, then summed across lanes
+ * together (one horizontal add tree for 8 keys); then exp, and the weighted sum of V with each query's
+ * output row held in registers. Items are handed out as threads ask (a thread whose core another process
+ * shares takes fewer), kv head by kv head and requests in order, so requests that share prefix pages (a
+ * common system prompt) read them from cache after the first ones. */
+typedef float vec8 __attribute__((vector_size(32), aligned(4)));
+
+/* The 8 sums of the lanes of a[0] … a[7]. */
+static inline vec8 lane_sums8(const vec8 *a) {
+#if defined(__AVX__)
+    const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return (vec8)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+    vec8 out;
+    for (int j = 0; j < 8; ++j) {
+        float sum = 0.0f;
+        for (int l = 0; l < 8; ++l) sum += a[j][l];
+        out[j] = sum;
+    }
+    return out;
+#endif
+}
+
+/* scores[g·stride + t] = scale · q_g·k_t for the G queries at q (G, dim) and keys t < L of kv head h. */
+static void decode_scores(const float *q, long G, const float *k_pool, const int32_t *slots, long L, long hkv,
+                          long h, long dim, float scale, float *scores, long stride) {
+    const long chunks = dim / 8;
+    for (long t0 = 0; t0 < L; t0 += 8) {
+        const float *k[8];
+        for (int j = 0; j < 8; ++j) /* past the end: the last key again, its score dropped */
+            k[j] = k_pool + ((long)slots[t0 + j < L ? t0 + j : L - 1] * hkv + h) * dim;
+        for (long g = 0; g < G; ++g) {
+            const float *qg = q + g * dim;
+            vec8 acc[8] = {{0}};
+            for (long c = 0; c < chunks; ++c) {
+                const vec8 qc = *(const vec8 *)(qg + 8 * c);
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) acc[j] += qc * *(const vec8 *)(k[j] + 8 * c);
+            }
+            const vec8 s = lane_sums8(acc) * scale;
+            float *out = scores + g * stride + t0;
+            if (t0 + 8 <= L) {
+                memcpy(out, &s, sizeof s);
+            } else {
+                for (long j = 0; j < L - t0; ++j) out[j] = s[j];
+            }
+        }
+    }
+}
+
+/* s[0…L) = softmax(s[0…L)). */
+static void softmax_in_place(float *s, long L) {
+    float mx = s[0], sum = 0.0f;
+    for (long t = 1; t < L; ++t) mx = s[t] > mx ? s[t] : mx;
+#pragma omp simd reduction(+ : sum)
+    for (long t = 0; t < L; ++t) {
+        s[t] = exp_approx(s[t] - mx);
+        sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (long t = 0; t < L; ++t) s[t] *= inv;
+}
+
+/* out (dim,) = Σ_t p[t] · v_t over keys t < L of kv head h; 8 columns of out in registers at a time. */
+static void decode_values(const float *p, const float *v_pool, const int32_t *slots, long L, long hkv, long h,
+                          long dim, float *out) {
+    for (long c0 = 0; c0 < dim; c0 += 64) {
+        const long width = dim - c0 < 64 ? (dim - c0) / 8 : 8;
+        vec8 acc[8] = {{0}};
+        for (long t = 0; t < L; ++t) {
+            const float *vp = v_pool + ((long)slots[t] * hkv + h) * dim + c0;
+            const float w = p[t];
+            _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) if (c < width) acc[c] += w * *(const vec8 *)(vp + 8 * c);
+        }
+        for (long c = 0; c < width; ++c) memcpy(out + c0 + 8 * c, &acc[c], sizeof(vec8));
+    }
+}
+
+void paged_decode_attention(const float *q, const float *k_pool, const float *v_pool, const int32_t *table,
+                            long table_stride, const int64_t *rows, const int32_t *kv_lens, float *out, long n,
+                            long hq, long hkv, long dim, float scale, long max_len, int threads) {
+    const long G = hq / hkv, items = n * hkv, stride = max_len + 8;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(G * stride));
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < items; ++item) {
+            const long h = item / n, i = item % n, L = kv_lens[i];
+            const int32_t *slots = table + rows[i] * table_stride;
+            const float *qh = q + (i * hq + h * G) * dim;
+            decode_scores(qh, G, k_pool, slots, L, hkv, h, dim, scale, scores, stride);
+            for (long g = 0; g < G; ++g) {
+                softmax_in_place(scores + g * stride, L);
+                decode_values(scores + g * stride, v_pool, slots, L, hkv, h, dim, out + (i * hq + h * G + g) * dim);
+            }
+        }
+        free(scores);
     }
 }

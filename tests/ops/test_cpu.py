@@ -217,3 +217,33 @@ def test_panel_matmul_takes_empty_inputs_and_leaves_autocast_to_pytorch():
             assert linear(torch.randn(4, 16)).dtype == torch.bfloat16  # autocast's matmul, as F.linear
     with torch.no_grad():
         assert cpu.panel_matmul(torch.randn(0, 16), weights.get(linear.weight), 8).shape == (0, 8)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16, 64])
+def test_panel_matmul_matches_linear_for_every_tile_and_a_ragged_last_panel(rows):
+    """Every tile height (1-6 rows, then blocks of 6) and width, and a last panel of 8 + 29 columns."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(2 * 64 + 37, 40, generator=g), torch.randn(rows, 40, generator=g)
+    panels = cpu.pack_panels([w], torch.zeros(cpu.panels_shape(w.shape[0], w.shape[1])))
+    torch.testing.assert_close(cpu.panel_matmul(x, panels, w.shape[0]), x @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (9, 3, 64), (4, 4, 24)])
+def test_paged_decode_attention_matches_the_reference(num_q_heads, num_kv_heads, head_dim):
+    from paged_cases import paged_case
+
+    from astrai_pl.ops import reference
+
+    kv_lens = [1, 7, 300, 64, 9, 17]  # one key; fewer than the 8 keys scored together; ragged tails
+    case = paged_case([1] * len(kv_lens), kv_lens, num_q_heads, num_kv_heads, head_dim, seed=5)
+    assert cpu.paged_decode_attention_usable(case.q, case.k_pool, case.v_pool)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    out = cpu.paged_decode_attention(case.q, case.k_pool, case.v_pool, case.req_to_token, case.rows, lens,
+                                     max(kv_lens))
+    ref = reference.paged_decode_ref(case.q, case.k_pool, case.v_pool, case.kv_indptr, case.kv_indices)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    with cpu.override_available(False):
+        assert not cpu.paged_decode_attention_usable(case.q, case.k_pool, case.v_pool)
+    assert not cpu.paged_decode_attention_usable(case.q[..., :20], case.k_pool[..., :20], case.v_pool[..., :20])
