@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.routing import Match
 
 from .errors import error_body, install_error_handlers, internal_error
-from .generation import generate
+from .generation import generate, off_loop
 from .protocol import chat_call, completion_call
 from .sessions_api import sessions_router
 from .state import ServerState
@@ -95,11 +95,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        return await generate(request, state, completion_call)
+        return await generate(request, state, off_loop(completion_call))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await generate(request, state, chat_call)
+        return await generate(request, state, off_loop(chat_call))
 
     sessions = sessions_router(state)
     app.include_router(v1)

@@ -2,7 +2,7 @@
 answer given whole or streamed as server-sent events.
 
     call = completion_call(body, state)                # protocol.py: prompts, SamplingParams, shapes
-    return await generate(request, state, completion_call)    # the route's whole body
+    return await generate(request, state, off_loop(completion_call))    # the route's whole body
 
 Handles are read with `async for`, so the event loop never blocks and concurrent requests share the engine's
 batches. A request whose client goes away — mid-stream or while waiting for a whole answer — is aborted and
@@ -298,9 +298,20 @@ def _encodable(text: str) -> bool:
     return True
 
 
+def off_loop(parse):
+    """`parse(raw, state)` as a coroutine running it on a worker thread: tokenizing a long text takes seconds,
+    which the event loop, and so every other request, would otherwise wait for."""
+
+    async def parsed(raw: dict, state: ServerState) -> Call:
+        return await asyncio.to_thread(parse, raw, state)
+
+    return parsed
+
+
 async def generate(request: Request, state: ServerState, parse, start=Generation) -> Response:
-    """Parse the body into a Call, submit it (`start`: a Generation or a session's turn) and answer."""
-    call = parse(await read_json(request), state)
+    """Parse the body into a Call (`parse`: a coroutine function, e.g. `off_loop(completion_call)`), submit it
+    (`start`: a Generation or a session's turn) and answer."""
+    call = await parse(await read_json(request), state)
     state.admit()
     try:
         generation = start(state, call)

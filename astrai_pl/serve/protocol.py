@@ -22,12 +22,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 from tokenizers import decoders
 
-from ..commands import chat_ids
 from ..inference import Completion, Delta, SamplingParams, SamplingParamsError
 from ..tokenizer import TokenizerError, byte_symbols
 from .errors import APIError, bad_request, from_sampling_error, from_validation_errors
 
 MAX_CHOICES = 1024  # prompts × n in one request
+MAX_MESSAGES = 8192  # messages of one conversation: the chat template renders them in Python
 MAX_STOPS = {"stop": 16, "stop_token_ids": 256}  # each is checked on every token: a long list slows every request
 MAX_STOP_CHARS = 256  # on every token the engine tests each tail of the text up to the longest stop's length
 MAX_LOGPROB_ENTRIES = 2**20  # log-probabilities (chosen and alternatives) one request's choices may hold in memory
@@ -97,13 +97,28 @@ def _is_id(value) -> bool:
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 
 
+def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of each text, in one call that releases the GIL: a long text takes seconds to encode, during
+    which the engine's thread (and the event loop, when parsing runs on a worker thread) go on."""
+    return tokenizer.encode_batch(texts)
+
+
+def templated_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+    """The conversation through the chat template, BOS first exactly once: `commands.chat_ids` (or, without
+    the generation prompt, a stored conversation's ids), encoded by `encode_texts`."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    [ids] = encode_texts(tokenizer, [text])
+    bos = tokenizer.bos_token_id
+    return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+
+
 def completion_prompts(prompt, tokenizer) -> tuple[list[list[int]], list[str | None]]:
     """Each prompt's ids, and its text when it came as text (None for ids)."""
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)], [prompt]
+        return encode_texts(tokenizer, [prompt]), [prompt]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return [tokenizer.encode(p) for p in prompt], list(prompt)
+            return encode_texts(tokenizer, prompt), list(prompt)
         if all(_is_id(t) for t in prompt):
             return [list(prompt)], [None]
         if all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
@@ -118,6 +133,9 @@ def chat_messages(messages) -> list[dict[str, str]]:
     """The conversation as {"role", "content": str} messages; text content parts are joined."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array of {\"role\", \"content\"} objects", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(f"'messages' holds {len(messages)} messages, the server takes at most {MAX_MESSAGES} in "
+                          "one conversation", "messages")
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -467,7 +485,7 @@ def chat_call(raw: dict, state) -> ChatCall:
     if state.tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     try:
-        ids = chat_ids(state.tokenizer, messages)
+        ids = templated_ids(state.tokenizer, messages)
     except TokenizerError as err:
         raise bad_request(str(err), "messages") from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

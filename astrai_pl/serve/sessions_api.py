@@ -25,6 +25,7 @@ session goes on from its history without it.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 
@@ -32,12 +33,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from ..commands import chat_ids
 from ..inference import CapacityError, Completion, InferenceError, PromptError, SamplingParams, Session
 from ..tokenizer import TokenizerError
 from .errors import APIError, bad_request
 from .generation import Generation, _engine_error, generate, read_json
-from .protocol import chat_call, chat_messages, parse_body
+from .protocol import chat_call, chat_messages, parse_body, templated_ids
 
 DEFAULT_TTL_S = 600.0
 DEFAULT_MAX_TTL_S = 3600.0
@@ -53,11 +53,7 @@ class SessionRequest(BaseModel):
 
 def rendered(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
     """The conversation's ids as the chat template gives them, BOS first (like `chat_ids`)."""
-    if generation_prompt:
-        return chat_ids(tokenizer, messages)
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-    bos = tokenizer.bos_token_id
-    return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+    return templated_ids(tokenizer, messages, generation_prompt)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -277,10 +273,14 @@ class SessionTurn(Generation):
 def _turn_parser(store: SessionStore, session_id: str, box: dict):
     """The chat_call parser for a turn: the stored conversation, then the body's messages."""
 
-    def parse(raw: dict, state):
+    async def parse(raw: dict, state):
         stored = store.idle(session_id)
         new = chat_messages(raw.get("messages"))
-        call = chat_call({**raw, "messages": [*stored.messages, *new]}, state)
+        history = stored.messages
+        call = await asyncio.to_thread(chat_call, {**raw, "messages": [*history, *new]}, state)  # see off_loop
+        if store.idle(session_id).messages is not history:  # a turn ran meanwhile: the ids above miss it
+            raise APIError(409, f"session '{session_id}' answered another turn while this one was read; send it "
+                                "again", param="session_id", code="session_busy")
         if call.params.n != 1:
             raise bad_request(f"'n'={call.params.n}: a session continues one conversation; fork it "
                               "(POST /v1/sessions/{id}/fork) for each branch", "n")

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 
+import httpx
 import pytest
 from served import MODEL, TIMEOUT
 from test_errors import COMPLETIONS, error_of, still_serves
@@ -37,6 +38,8 @@ CASES = [  # (route, raw JSON body, param the 400 names, words its message holds
     (COMPLETIONS, json.dumps({"prompt": "x", "stop": "s" * 100_000}).encode(), "stop", "at most 256"),
     (CHAT, json.dumps({"messages": [{"role": "user", "content": "x"}], "stop": ["\n", "s" * 300]}).encode(), "stop",
      "300 characters"),
+    # rendered by the chat template in Python before the prompt's length is known: 1M messages take seconds
+    (CHAT, json.dumps({"messages": [{"role": "user", "content": ""}] * 8193}).encode(), "messages", "at most 8192"),
     # 128 × 500 × 21 log-probabilities held at once for a 1 kB request
     (COMPLETIONS, json.dumps({"prompt": ["x"] * 128, "max_tokens": 500, "logprobs": 20}).encode(), "logprobs",
      "at most 1048576"),
@@ -144,3 +147,35 @@ def test_a_session_whose_creator_left_during_its_prefill_is_closed(http, url, st
         time.sleep(0.02)
     monkeypatch.undo()
     still_serves(http)
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT, "session"])
+def test_a_prompt_that_takes_long_to_tokenize_does_not_stall_the_others(http, url, tokenizer, route, monkeypatch):
+    """A 32 MB prompt takes the tokenizer a minute; meanwhile the server answers everyone else. (The encode
+    of a marked text waits here for the other request to be answered, or for the timeout on a stalled loop.)"""
+    marker, answered, entered = "SLOW-TO-ENCODE", threading.Event(), threading.Event()
+
+    def slow(encode, texts_of):
+        def encoding(text, *args, **kwargs):
+            if any(marker in t for t in texts_of(text)):
+                entered.set()
+                answered.wait(TIMEOUT)
+            return encode(text, *args, **kwargs)
+
+        return encoding
+
+    monkeypatch.setattr(tokenizer, "encode", slow(tokenizer.encode, lambda text: [text]))
+    monkeypatch.setattr(tokenizer, "encode_batch", slow(tokenizer.encode_batch, list))
+    messages = [{"role": "user", "content": marker}]
+    if route == "session":
+        route = f"{SESSIONS}/{http.post(SESSIONS, json={}).json()['id']}/chat/completions"
+    body = {"prompt": marker} if route == COMPLETIONS else {"messages": messages}
+    slow = threading.Thread(target=http.post, args=(route,), kwargs={"json": {**body, "max_tokens": 1}})
+    slow.start()
+    try:
+        assert entered.wait(TIMEOUT)
+        other = httpx.post(f"{url}{COMPLETIONS}", json={"prompt": "Hello", "max_tokens": 2}, timeout=10)
+        assert other.status_code == 200
+    finally:
+        answered.set()
+        slow.join(TIMEOUT)
