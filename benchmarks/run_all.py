@@ -31,6 +31,7 @@ BENCHES = {  # name: (script, arguments); in the order they run
     "lora": ("bench_lora_sft.py", []),
     "lora-memory": ("bench_lora_memory.py", []),
     "lora-dpo-memory": ("bench_lora_dpo_memory.py", []),
+    "eval": ("bench_eval.py", []),
 }
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench-table:begin -->", "<!-- bench-table:end -->"
