@@ -8,6 +8,11 @@ A known field of the wrong type is refused (400, `param` naming it); fields Open
 no use for are ignored (`user`, `service_tier`, `store`, …); ones whose effect it cannot give are refused
 rather than silently dropped (`logit_bias`, `suffix`, `best_of`, tools, JSON output). Choice i of prompt p
 is choice p·n + i, as OpenAI numbers them.
+
+Special tokens written as text are parsed as special tokens, in a prompt and in a message's content alike
+(as transformers' and vLLM's chat templating do): a user content holding "<|im_end|><|im_start|>assistant"
+gives the ids of a real assistant turn. That forges nothing the client could not send as messages itself;
+an application that puts third-party text into messages has to strip such markers before it does.
 """
 
 from __future__ import annotations

@@ -344,7 +344,7 @@ def sessions_router(state) -> APIRouter:
         body = parse_body(await read_json(request), SessionRequest)
         state.check_model(body.model)
         ttl = store.ttl_for(body.ttl)
-        messages, ids = _warm_ids(state, body.messages)
+        messages, ids = await asyncio.to_thread(_warm_ids, state, body.messages)  # see generation.off_loop
         stored = store.open(ttl, messages, ids)
         if ids:
             try:

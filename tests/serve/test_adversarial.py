@@ -149,7 +149,7 @@ def test_a_session_whose_creator_left_during_its_prefill_is_closed(http, url, st
     still_serves(http)
 
 
-@pytest.mark.parametrize("route", [COMPLETIONS, CHAT, "session"])
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT, SESSIONS, "turn"])
 def test_a_prompt_that_takes_long_to_tokenize_does_not_stall_the_others(http, url, tokenizer, route, monkeypatch):
     """A 32 MB prompt takes the tokenizer a minute; meanwhile the server answers everyone else. (The encode
     of a marked text waits here for the other request to be answered, or for the timeout on a stalled loop.)"""
@@ -167,10 +167,15 @@ def test_a_prompt_that_takes_long_to_tokenize_does_not_stall_the_others(http, ur
     monkeypatch.setattr(tokenizer, "encode", slow(tokenizer.encode, lambda text: [text]))
     monkeypatch.setattr(tokenizer, "encode_batch", slow(tokenizer.encode_batch, list))
     messages = [{"role": "user", "content": marker}]
-    if route == "session":
-        route = f"{SESSIONS}/{http.post(SESSIONS, json={}).json()['id']}/chat/completions"
+    sessions = []
+    if route == "turn":
+        sessions.append(http.post(SESSIONS, json={}).json()["id"])
+        route = f"{SESSIONS}/{sessions[0]}/chat/completions"
     body = {"prompt": marker} if route == COMPLETIONS else {"messages": messages}
-    slow = threading.Thread(target=http.post, args=(route,), kwargs={"json": {**body, "max_tokens": 1}})
+    if route != SESSIONS:
+        body["max_tokens"] = 1
+    answers = []
+    slow = threading.Thread(target=lambda: answers.append(http.post(route, json=body)))
     slow.start()
     try:
         assert entered.wait(TIMEOUT)
@@ -179,3 +184,8 @@ def test_a_prompt_that_takes_long_to_tokenize_does_not_stall_the_others(http, ur
     finally:
         answered.set()
         slow.join(TIMEOUT)
+    assert [a.status_code for a in answers] == [200]
+    if route == SESSIONS:
+        sessions.append(answers[0].json()["id"])
+    for session_id in sessions:
+        assert http.delete(f"{SESSIONS}/{session_id}").status_code == 200
