@@ -101,3 +101,15 @@ def test_shipped_rows_are_deterministic_and_well_formed():
         assert row["title"] in truth.replace("document ", "d").replace("about ", "d") or truth.startswith("It")
     shipped = [json.loads(line) for line in (SHIPPED / "next_sentence.jsonl").read_text().splitlines()]
     assert len(shipped) >= 100 and all(0 <= r["label"] < 4 and len(r["choices"]) == 4 for r in shipped)
+
+
+def test_the_chat_template_renders_as_transformers_does_for_lm_eval(ours, hf_dir):
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    turns = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "It is"}]
+    assert ours.apply_chat_template(turns[:1]) == hf.apply_chat_template(
+        turns[:1], tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(turns, add_generation_prompt=False) == hf.apply_chat_template(
+        turns, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert ours.chat_template(True) == ours.tokenizer.chat_template and ours.chat_template(False) is None
