@@ -24,6 +24,8 @@ class TextStream:
         self._window = 0  # ids before this index are fully reflected in self.text
         self._read = 0  # ids before this index have been decoded into self.text
         self._longest_stop = max((len(s) for s in stop), default=0)
+        self._fail = [_failure(s) for s in stop]
+        self._matched = [0] * len(stop)  # per stop string: its longest prefix the text ends with
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
@@ -58,6 +60,15 @@ class TextStream:
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True
+            return
+        for i, s in enumerate(self.stop):  # Knuth-Morris-Pratt: each new character moves each match once
+            k, fail = self._matched[i], self._fail[i]
+            for ch in new:
+                while k and s[k] != ch:
+                    k = fail[k - 1]
+                if s[k] == ch:
+                    k += 1
+            self._matched[i] = k
 
     def _emit(self, final: bool) -> str:
         end = len(self.text) if final or self.stopped else len(self.text) - self._held_back()
@@ -66,9 +77,18 @@ class TextStream:
         return delta
 
     def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of some stop string."""
-        for k in range(min(len(self.text), self._longest_stop - 1), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0
+        """Length of the longest tail of the text that is a proper prefix of some stop string (no stop
+        string is wholly in the text, or it would have stopped)."""
+        return max(self._matched, default=0)
+
+
+def _failure(pattern: str) -> list[int]:
+    """KMP's table: fail[j] is the longest proper prefix of pattern[: j + 1] that is also its suffix."""
+    fail, k = [0] * len(pattern), 0
+    for j in range(1, len(pattern)):
+        while k and pattern[j] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[j] == pattern[k]:
+            k += 1
+        fail[j] = k
+    return fail

@@ -3,6 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from astrai_pl.inference import Engine, SamplingParams
@@ -123,3 +125,19 @@ def test_abandoning_a_stream_aborts_its_request(tok):
     stream.close()
     assert not engine.has_unfinished()
     assert engine.check().in_use == 0
+
+
+@given(text=st.text(alphabet="abc", max_size=40), stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=6),
+                                                                 min_size=1, max_size=3))
+@settings(max_examples=300, deadline=None)
+def test_held_back_text_is_the_longest_tail_that_starts_a_stop_string(tok, text, stops):
+    """What a stream holds back, kept up as text arrives (each new character moves each stop's match once,
+    whatever the stop strings' length), is the longest tail that is a proper prefix of a stop string."""
+    stream = TextStream(tok, stops)
+    for ch in text:
+        stream.push(tok.encode(ch)[0])
+        if stream.stopped:
+            return
+        longest = max((k for k in range(1, len(stream.text) + 1) for s in stops
+                       if len(s) > k and s.startswith(stream.text[-k:])), default=0)
+        assert stream._held_back() == longest

@@ -189,27 +189,3 @@ def test_a_prompt_that_takes_long_to_tokenize_does_not_stall_the_others(http, ur
         sessions.append(answers[0].json()["id"])
     for session_id in sessions:
         assert http.delete(f"{SESSIONS}/{session_id}").status_code == 200
-
-
-class CountingStop(str):
-    """A stop string that counts the prefix tests the engine's text stream makes against it."""
-
-    tests = 0
-
-    def startswith(self, *args) -> bool:
-        CountingStop.tests += 1
-        return str.startswith(self, *args)
-
-
-@pytest.mark.xfail(strict=True, reason="inference/text.py: TextStream._held_back tests every tail of the text up "
-                   "to the longest stop's length on each token, O(len(stop)) prefix tests per token (each copying "
-                   "its tail); only tails that reach into the new text and extend what was held back can match")
-def test_the_text_stream_tests_few_tails_per_token_whatever_the_stop_length(tokenizer):
-    from astrai_pl.inference.text import TextStream
-
-    stream = TextStream(tokenizer, [CountingStop("b" * 256)])
-    CountingStop.tests = 0
-    pushes = tokenizer.encode("a" * 300)
-    for token in pushes:
-        stream.push(token)
-    assert CountingStop.tests <= 2 * len(pushes)  # nothing is ever held back: "a" starts no stop string
