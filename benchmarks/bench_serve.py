@@ -4,9 +4,9 @@ Both sides load one directory written by our `save_pretrained` (random weights, 
 tokenizer whose words are the ids ("5 17 9"), so a text prompt is exactly its token ids and every
 generated token decodes to one word. vLLM lives in its own virtual environment (.venv/vllm, `make bench`
 installs it), so each side runs in a worker process of its own (this script with `--worker`), on the same
-2 threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-1, unless a part says otherwise). Each worker times its own
-runs: the wall clock, and the CPU time of its whole process tree (vLLM runs a front end, an engine core
-and a model worker process). Runs alternate in ABBA order (ours, vLLM, vLLM, ours, …); the ratio is the
+2 threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-1, or what that variable says; the contended part sets its
+own). Each worker times its own runs: the wall clock, and the CPU time of its whole process tree (vLLM
+runs a front end, an engine core and a model worker process). Runs alternate in ABBA order (ours, vLLM, vLLM, ours, …); the ratio is the
 median per-round ratio vLLM time / our time, above 1: we are faster (harness.py).
 
 Parts (`--parts`, all by default):
@@ -219,10 +219,15 @@ class Worker(Process):
         super().close(grace)
 
 
+def vllm_bind() -> str:
+    return os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or f"0-{THREADS - 1}"
+
+
 def worker_env(**extra: str | None) -> dict[str, str]:
-    """The environment of a worker or server: 2 threads, vLLM's KV space; a None value removes a name."""
+    """The environment of a worker or server: 2 threads, vLLM's KV space, vLLM bound to cores 0-1 unless
+    VLLM_CPU_OMP_THREADS_BIND is set (offline and online); a None value removes a name."""
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}",
+           "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "VLLM_CPU_OMP_THREADS_BIND": vllm_bind(),
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": ""}
     for name, value in extra.items():
         env.pop(name, None) if value is None else env.__setitem__(name, value)
@@ -329,7 +334,8 @@ def offline(shape: str, folder: Path, logs: Path, reps: int, budget: float, mode
             for mode in modes:
                 how = "Engine.generate" if mode == "generate" else "Engine.generate on the background loop"
                 row = row_from(Duel(samples[mode], samples["peer"]), f"offline, {shape}, {what}, greedy; ours: {how}",
-                               f"{peer} LLM.generate", tokens, "tokens/s", command)
+                               f"{peer} LLM.generate, VLLM_CPU_OMP_THREADS_BIND={vllm_bind()}", tokens,
+                               "tokens/s", command)
                 row.detail += f"; greedy outputs identical for {same_outputs(got[mode], got['peer'])}/{len(prompts)}"
                 if workload == "ragged":
                     (_, ours_tok, ours_lp), (_, peer_tok, peer_lp) = scored[mode], scored["peer"]
@@ -532,7 +538,7 @@ def online(folder: Path, logs: Path, reps: int, budget: float, levels: list[int]
     vocab = write_model("small", folder)
     prompts = [" ".join(map(str, p)) for p in workloads(vocab)["ragged"]]
     key, servers, rows = "bench-key", {}, []
-    names = {"ours": "astrai-pl serve", "peer": f"{peer} `vllm serve`"}
+    names = {"ours": "astrai-pl serve", "peer": f"{peer} `vllm serve`, VLLM_CPU_OMP_THREADS_BIND={vllm_bind()}"}
     ours_error = None
     try:
         try:
