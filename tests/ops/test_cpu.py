@@ -247,3 +247,18 @@ def test_paged_decode_attention_matches_the_reference(num_q_heads, num_kv_heads,
     with cpu.override_available(False):
         assert not cpu.paged_decode_attention_usable(case.q, case.k_pool, case.v_pool)
     assert not cpu.paged_decode_attention_usable(case.q[..., :20], case.k_pool[..., :20], case.v_pool[..., :20])
+
+
+def test_importing_the_package_makes_openmp_threads_sleep_unless_told_otherwise():
+    """OMP_WAIT_POLICY defaults to PASSIVE when astrai_pl is imported before torch; a set value stays."""
+    import os
+    import subprocess
+    import sys
+
+    script = "import astrai_pl, os; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", script], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ACTIVE"
