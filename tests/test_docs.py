@@ -67,3 +67,14 @@ DOCUMENTED = [cls for _, _, classes in config_reference.GROUPS for cls in classe
 @pytest.mark.parametrize("cls", DOCUMENTED, ids=lambda cls: cls.__name__)
 def test_every_argument_is_documented(cls):
     assert config_reference.undocumented(cls) == []
+
+
+def test_the_serving_page_lists_every_serve_option():
+    """docs/serving.md's option table names exactly the options `astrai-pl serve` takes."""
+    from astrai_pl.serve.cli import serve_parser
+
+    parser = serve_parser()
+    taken = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    table = (ROOT / "docs" / "serving.md").read_text().split("## Options", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`(--[a-z-]+)", table))
+    assert documented == taken, f"undocumented: {sorted(taken - documented)}, gone: {sorted(documented - taken)}"
