@@ -1,7 +1,9 @@
 """The shipped lm-eval tasks (astrai_pl/eval_tasks/) and how task names become what lm-eval loads.
 
 - `astrai_arithmetic`: the held-out problems of the built-in arithmetic task ("What is 37 + 48?"), answered
-  by generation, scored by exact match of the last integer (data/synthetic.py's rule).
+  by generation, scored by exact match of the last integer (data/synthetic.py's rule); operands 0..99.
+- `astrai_arithmetic_small`: the same with operands 0..14, the range the shipped tiny configs train on (every
+  one of its 48 held-out problems): the task that scores the demo's models.
 - `astrai_next_sentence`: one or two sentences of a held-out document of the embedded corpus,
   and four sentences to continue it: the true next one and three from other documents (log-likelihood).
 
@@ -24,6 +26,7 @@ import yaml
 
 SHIPPED = Path(__file__).resolve().parent.parent / "eval_tasks"
 ARITHMETIC_ROWS = 250
+SMALL_OPERAND = 14  # configs/{sft,dpo,grpo}/tiny.yaml: synthetic.max_operand
 NEXT_SENTENCE_ROWS = 250
 SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 MIN_SENTENCE, MAX_SENTENCE, MAX_CONTEXT = 30, 160, 320  # characters: every row fits a 512-token byte context
@@ -113,6 +116,15 @@ def arithmetic_rows(n: int = ARITHMETIC_ROWS, seed: int = 0) -> list[dict[str, s
     return [{"question": q, "answer": a} for q, a in list(seen.items())[:n]]
 
 
+def small_arithmetic_rows(max_operand: int = SMALL_OPERAND) -> list[dict[str, str]]:
+    """Every held-out problem with operands in [0, max_operand] (+ and -), in a fixed order: the range the
+    shipped tiny configs (and so the demo) train on, where `arithmetic_rows`' 0..99 lie outside it."""
+    from ..data.synthetic import Problem, is_held_out
+
+    rows = [Problem(a, op, b) for a in range(max_operand + 1) for op in ("+", "-") for b in range(max_operand + 1)]
+    return [{"question": p.question, "answer": p.answer} for p in rows if is_held_out(p)]
+
+
 def _sentences(text: str) -> list[str]:
     return SENTENCE.split(" ".join(text.split()))
 
@@ -167,9 +179,10 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 def write_shipped_data(folder: Path = SHIPPED) -> None:
     """Rebuild the shipped JSONL files from their generators."""
     _write_jsonl(folder / "arithmetic.jsonl", arithmetic_rows())
+    _write_jsonl(folder / "arithmetic_small.jsonl", small_arithmetic_rows())
     _write_jsonl(folder / "next_sentence.jsonl", next_sentence_rows(held_out_documents()))
 
 
 if __name__ == "__main__":
     write_shipped_data()
-    print(f"wrote {SHIPPED}/arithmetic.jsonl and {SHIPPED}/next_sentence.jsonl")
+    print(f"wrote arithmetic.jsonl, arithmetic_small.jsonl and next_sentence.jsonl in {SHIPPED}")

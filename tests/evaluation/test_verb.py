@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 from lm_eval.api.instance import Instance
@@ -113,3 +114,20 @@ def test_the_chat_template_renders_as_transformers_does_for_lm_eval(ours, hf_dir
     assert ours.apply_chat_template(turns, add_generation_prompt=False) == hf.apply_chat_template(
         turns, tokenize=False, add_generation_prompt=False, continue_final_message=True)
     assert ours.chat_template(True) == ours.tokenizer.chat_template and ours.chat_template(False) is None
+
+
+def test_the_small_arithmetic_task_is_the_tiny_configs_held_out_range():
+    """astrai_arithmetic_small: every held-out problem of the operand range the shipped tiny configs train on,
+    none of them in training, and the shipped file is what the generator gives."""
+    import yaml
+
+    from astrai_pl.data.synthetic import problems
+    from astrai_pl.evaluation.tasks import small_arithmetic_rows
+
+    config = yaml.safe_load((Path(__file__).parents[2] / "configs/sft/tiny.yaml").read_text())
+    rows = small_arithmetic_rows(config["data"]["init_args"]["synthetic"]["max_operand"])
+    shipped = [json.loads(line) for line in (SHIPPED / "arithmetic_small.jsonl").read_text().splitlines()]
+    assert rows == shipped and len(rows) == 48
+    train = {p.question for p in problems(5000, split="train", max_operand=14)}
+    assert not train & {r["question"] for r in rows}
+    assert all(max(int(n) for n in r["question"][8:-1].split(" ")[::2]) <= 14 for r in rows)
