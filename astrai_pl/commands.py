@@ -168,7 +168,11 @@ def _check_messages(messages: Any) -> str | None:
 def chat_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
     """`messages` through the chat template with its generation prompt, starting with BOS exactly once when
     the tokenizer has one: the ids a model fine-tuned here saw before each answer (see data/preprocess.py)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return bos_first(tokenizer, tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def bos_first(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    """`ids` starting with the tokenizer's BOS exactly once (as every training row does), if it has one."""
     bos = tokenizer.bos_token_id
     return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
 

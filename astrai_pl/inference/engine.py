@@ -24,12 +24,12 @@ from itertools import count
 
 import torch
 
-from ..model.rwkv import UnsupportedMixerError, check_engine_support
 from .admission import Prompt, is_single_prompt, new_request, params_per_prompt, text_stream
 from .cache import CapacityError, InferenceError
 from .handle import Outbox, RequestHandle
 from .loop import BackgroundLoop
 from .pool import EngineConfigError, PoolUsage, build_pool, positive
+from .recovery import StepRecovery
 from .request import Completion, Delta, Request, end_ids, is_sample_of
 from .runner import ModelRunner
 from .sampling import Alternatives, SamplingParams, SamplingParamsError, sample
@@ -41,7 +41,7 @@ __all__ = ["Engine", "EngineConfigError", "EngineStats", "Prompt"]
 Pick = tuple[Request, int, float | None, Alternatives | None]  # a sampled token, its logprob and alternatives
 
 
-class Engine:
+class Engine(StepRecovery):
     def __init__(
         self,
         model,
@@ -67,10 +67,6 @@ class Engine:
         the chunked-prefill size. debug: recheck the pool's accounting after every step (default: the
         ASTRAI_INFERENCE_DEBUG environment variable).
         """
-        try:  # a recurrent model has no K/V for the pool to page
-            check_engine_support(model.config)
-        except UnsupportedMixerError as err:
-            raise EngineConfigError(str(err)) from None
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype or param.dtype
@@ -348,22 +344,6 @@ class Engine:
             self._counts["prefill_tokens"] += prompt_part
             self._counts["decode_tokens"] += n - prompt_part
 
-    def _run(self, plan: list[tuple[Request, int]]) -> list[Delta]:
-        """Compute and sample `plan`; when that raises, run it again one request at a time.
-
-        An InferenceError (the engine's own, e.g. BackendUnavailable) and an interrupt concern every
-        request: the step is undone and the error propagates.
-        """
-        before = [(req, req.num_computed, req.table_len) for req, _ in plan]
-        try:
-            picks = self._compute(plan)
-        except BaseException as err:
-            if isinstance(err, Exception) and not isinstance(err, InferenceError):
-                return self._isolate(plan, before)
-            self._undo(before)
-            raise
-        return self._commit(picks)
-
     def _compute(self, plan: list[tuple[Request, int]]) -> list[Pick]:
         """Forward, cache finished prompts, fork n > 1 requests and sample: (request, token, logprob).
 
@@ -412,37 +392,6 @@ class Engine:
                 batch.append((clone, row))
         return batch
 
-    def _isolate(self, plan: list[tuple[Request, int]], before) -> list[Delta]:
-        """Run a failed step's requests one at a time; each that fails alone is failed and released."""
-        self.runner.forget_step_state()
-        _rewind(before)
-        planned = {id(req) for req, _ in plan}
-        forks = [r for r in self.scheduler.running if r.ready_logits is not None and id(r) not in planned]
-        deltas: list[Delta] = []
-        for i, (req, n) in enumerate(plan + [(clone, 0) for clone in forks]):
-            if req.finished:
-                continue
-            try:
-                picks = self._compute([(req, 0 if req.ready_logits is not None else n)])
-            except Exception as alone:
-                deltas.append(self._fail(req, alone))
-                continue
-            except BaseException:
-                self._undo(before[i:])  # the requests not run yet
-                raise
-            deltas += self._commit(picks)
-        return deltas
-
-    def _undo(self, before: list[tuple[Request, int, int]]) -> None:
-        """Undo a step that is not run again: counts rewound, the pages taken for its tokens given back."""
-        self.runner.forget_step_state()
-        _rewind(before)
-        for req, _, _ in before:
-            if not req.finished:
-                keep = self.pool.pages_for(req.num_computed)
-                self.pool.release(req.pages[keep:])
-                req.pages = req.pages[:keep]
-
     def _commit(self, picks: list[Pick]) -> list[Delta]:
         deltas = []
         for req, token, logprob, top in picks:
@@ -451,13 +400,6 @@ class Engine:
             except Exception as err:
                 deltas.append(self._fail(req, err))
         return deltas
-
-    def _fail(self, req: Request, err: Exception) -> Delta:
-        """End `req` with finish_reason "error": its pages and row go back, the other requests go on."""
-        req.error = f"{type(err).__name__}: {err}"
-        req.ready_logits, req.forks_left = None, 0
-        self._finish(req, "error")
-        return Delta(req.id, "", [], "error", req.completion())
 
     def _fork(self, parent: Request) -> list[Request]:
         """Samples 1..n-1 of a prompt: full pages shared, the partial page copied; they sample now."""
@@ -512,9 +454,3 @@ class Engine:
             assert not self._ended, "a finished request's handle was never closed"
             return usage
 
-
-def _rewind(before: list[tuple[Request, int, int]]) -> None:
-    """Undo a failed forward: requests without fresh logits compute their tokens again."""
-    for req, num_computed, table_len in before:
-        if req.ready_logits is None and not req.finished:
-            req.num_computed, req.table_len = num_computed, table_len

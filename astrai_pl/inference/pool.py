@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.rwkv import UnsupportedMixerError, check_engine_support
 from .cache import InferenceError, KVStorage, PageAllocator, ReqToTokenPool
 from .radix import RadixCache
 
@@ -182,6 +183,10 @@ def positive(name: str, value: int) -> int:
 
 def build_pool(cfg, device, dtype, page_size, max_total_tokens, max_batch_size, prefix_cache, contiguous):
     """The KV pool an Engine of these arguments serves from, and its longest context."""
+    try:  # a recurrent model has no K/V for the pool to page
+        check_engine_support(cfg)
+    except UnsupportedMixerError as err:
+        raise EngineConfigError(str(err)) from None
     if max_total_tokens is None:
         max_total_tokens = default_total_tokens(cfg, device, dtype)
     max_context = min(cfg.max_position_embeddings, max_total_tokens)

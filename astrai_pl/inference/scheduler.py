@@ -207,7 +207,7 @@ class Scheduler:
         for other in self.running:
             if other.prompt_cached or other.kv_from_file or other.num_computed >= other.num_prompt:
                 continue
-            shared = _common_prefix(req.cacheable, other.tokens[: other.num_prompt]) // ps * ps
+            shared = common_prefix(req.cacheable, other.tokens[: other.num_prompt]) // ps * ps
             if shared - matched >= max(ps, uncached // 2):
                 return True
         return False
@@ -235,7 +235,7 @@ class Scheduler:
         return usage
 
 
-def _common_prefix(a: list[int], b: list[int], chunk: int = 64) -> int:
+def common_prefix(a: list[int], b: list[int], chunk: int = 64) -> int:
     n, i = min(len(a), len(b)), 0
     while i < n and a[i : i + chunk] == b[i : i + chunk]:
         i += chunk

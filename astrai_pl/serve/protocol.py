@@ -22,76 +22,21 @@ import numbers
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
 from tokenizers import decoders
 
+from ..commands import bos_first
 from ..inference import Completion, Delta, SamplingParams, SamplingParamsError
 from ..tokenizer import TokenizerError, byte_symbols
-from .errors import APIError, bad_request, from_sampling_error, from_validation_errors
+from .bodies import ChatRequest, CompletionRequest, SamplingFields, parse_body
+from .errors import APIError, bad_request, from_sampling_error
 
 MAX_CHOICES = 1024  # prompts × n in one request
 MAX_MESSAGES = 8192  # messages of one conversation: the chat template renders them in Python
 MAX_STOPS = {"stop": 16, "stop_token_ids": 256}  # each is checked on every token: a long list slows every request
-MAX_STOP_CHARS = 256  # on every token the engine tests each tail of the text up to the longest stop's length
+MAX_STOP_CHARS = 256  # on every token the engine searches the text's last len(stop) characters for each stop
 MAX_LOGPROB_ENTRIES = 2**20  # log-probabilities (chosen and alternatives) one request's choices may hold in memory
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    include_usage: bool = False
-
-
-class _SamplingFields(BaseModel):
-    """Fields both routes share; `stop` and `stop_token_ids` are checked by SamplingParams."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: Any = None
-    stop_token_ids: Any = None
-    seed: int | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    logit_bias: dict[str, float] | None = None
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: Any = None
-    logprobs: int | None = None
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-class ChatRequest(_SamplingFields):
-    messages: Any = None
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-
-
-def parse_body(raw: dict, model: type[BaseModel]) -> Any:
-    try:
-        return model.model_validate(raw)
-    except ValidationError as err:
-        raise from_validation_errors(err.errors()) from None
 
 
 # -- request → engine ---------------------------------------------------------------------------------------
@@ -113,8 +58,7 @@ def templated_ids(tokenizer, messages: list[dict], generation_prompt: bool = Tru
     the generation prompt, a stored conversation's ids), encoded by `encode_texts`."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
     [ids] = encode_texts(tokenizer, [text])
-    bos = tokenizer.bos_token_id
-    return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+    return bos_first(tokenizer, ids)
 
 
 def completion_prompts(prompt, tokenizer) -> tuple[list[list[int]], list[str | None]]:
@@ -191,12 +135,12 @@ def max_new_tokens(requested: int | None, prompt_len: int, context: int, default
     return requested
 
 
-def _refuse_unsupported(body: _SamplingFields) -> None:
+def _refuse_unsupported(body: SamplingFields) -> None:
     if body.logit_bias:
         raise bad_request("'logit_bias' is not supported by this server; leave it out", "logit_bias")
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int | None, extra_stop_ids: list[int], logprobs: bool,
+def sampling_params(body: SamplingFields, max_tokens: int | None, extra_stop_ids: list[int], logprobs: bool,
                     top_logprobs: int, names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the request's fields (OpenAI's defaults where left out); a refusal names the field."""
     given = {
@@ -290,7 +234,7 @@ class Call:
     object = ""
     chunk_object = ""
 
-    def __init__(self, state, body: _SamplingFields, prompts: list[list[int]], params: SamplingParams):
+    def __init__(self, state, body: SamplingFields, prompts: list[list[int]], params: SamplingParams):
         self.tokenizer, self.model, self.prompts, self.params = state.tokenizer, state.model_name, prompts, params
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())

@@ -34,10 +34,12 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from ..inference import CapacityError, Completion, InferenceError, PromptError, SamplingParams, Session
+from ..inference.scheduler import common_prefix
 from ..tokenizer import TokenizerError
+from .bodies import parse_body
 from .errors import APIError, bad_request
 from .generation import Generation, _engine_error, generate, read_json
-from .protocol import chat_call, chat_messages, parse_body, templated_ids
+from .protocol import chat_call, chat_messages, templated_ids
 
 DEFAULT_TTL_S = 600.0
 DEFAULT_MAX_TTL_S = 3600.0
@@ -49,20 +51,6 @@ class SessionRequest(BaseModel):
     model: str | None = None
     messages: list | None = None
     ttl: float | None = None
-
-
-def rendered(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    """The conversation's ids as the chat template gives them, BOS first (like `chat_ids`)."""
-    return templated_ids(tokenizer, messages, generation_prompt)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class StoredSession:
@@ -84,8 +72,8 @@ class StoredSession:
         history's own render (see the module's docstring)."""
         if render[: len(self.tokens)] == self.tokens:
             return render
-        base = rendered(tokenizer, self.messages, generation_prompt=False)
-        return self.tokens + render[_common_prefix(render, base):]
+        base = templated_ids(tokenizer, self.messages, generation_prompt=False)
+        return self.tokens + render[common_prefix(render, base):]
 
     def settle(self, new: list[dict], completion: Completion | None) -> None:
         """After a turn: a finished reply joins the history; a turn that did not finish leaves none of its
@@ -301,7 +289,7 @@ def _warm_ids(state, messages) -> tuple[list[dict], list[int]]:
     if state.tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template; sessions need one", "messages")
     try:
-        ids = rendered(state.tokenizer, checked, generation_prompt=False)
+        ids = templated_ids(state.tokenizer, checked, generation_prompt=False)
     except TokenizerError as err:
         raise bad_request(str(err), "messages") from None
     if len(ids) >= state.context_len:

@@ -15,7 +15,7 @@ from test_metrics import requests_of, scrape
 
 from astrai_pl.serve import generation
 from astrai_pl.serve.app import create_app
-from astrai_pl.serve.sessions_api import rendered
+from astrai_pl.serve.protocol import templated_ids as rendered
 from astrai_pl.serve.state import ServerState
 
 CHAT = "/v1/chat/completions"

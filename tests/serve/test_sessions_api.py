@@ -13,7 +13,8 @@ from served import MODEL, TIMEOUT, running
 
 from astrai_pl.inference import SamplingParams
 from astrai_pl.serve.cli import serve_parser
-from astrai_pl.serve.sessions_api import SessionStore, rendered
+from astrai_pl.serve.protocol import templated_ids as rendered
+from astrai_pl.serve.sessions_api import SessionStore
 from astrai_pl.serve.state import ServerState
 
 GREEDY = {"max_tokens": 8, "temperature": 0}
