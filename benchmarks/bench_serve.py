@@ -37,7 +37,6 @@ import json
 import os
 import queue
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import ROOT, THREADS, Duel, Row, Sample, command_line, emit, row_from, save, setup  # noqa: E402
+from serve_client import load_round, serving_figures  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv" / "vllm" / "bin" / "python"
 MAX_MODEL_LEN = 2048
@@ -74,11 +74,6 @@ def tree_cpu(pid: int) -> float:
         except (OSError, ValueError, IndexError):
             continue
     return total
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 # -- the workers (each side in a process of its own) ----------------------------------------------------
@@ -422,58 +417,6 @@ def contended(folder: Path, logs: Path, reps: int, budget: float, binds: list[st
 
 
 # -- online: two HTTP servers, one streaming client -----------------------------------------------------
-async def stream_one(client, url: str, body: dict, headers: dict) -> tuple[float, list[float], int]:
-    """One streamed completion: time to the first token, the gaps between later chunks, tokens received."""
-    start = time.perf_counter()
-    first, last, gaps, tokens = None, None, [], 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            choices = json.loads(data).get("choices") or [{}]
-            words = len((choices[0].get("text") or "").split())  # the tokenizer's words are its tokens
-            if not words:
-                continue
-            now = time.perf_counter()
-            if first is None:
-                first = now - start
-            else:
-                gaps.append((now - last) / words)
-            last, tokens = now, tokens + words
-    return (first if first is not None else float("nan")), gaps, tokens
-
-
-async def load_round(url: str, model: str, prompts: list[str], concurrency: int, requests: int,
-                     key: str | None) -> dict:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    todo = list(range(requests))
-    ttft, itl, tokens = [], [], [0]
-
-    async def client_loop(client):
-        while todo:
-            i = todo.pop()
-            body = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": NEW_TOKENS,
-                    "temperature": 0, "stream": True, "ignore_eos": True}
-            first, gaps, got = await stream_one(client, url, body, headers)
-            ttft.append(first)
-            itl.extend(gaps)
-            tokens[0] += got
-
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
-        start = time.perf_counter()
-        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-    return dict(wall=wall, tokens=tokens[0], ttft=ttft, itl=itl)
-
-
 class Server(Process):
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], logs: Path, port: int, key: str | None):
         super().__init__(cmd, env, logs / f"{name}.log", stdout=subprocess.DEVNULL)
@@ -500,7 +443,7 @@ class Server(Process):
         """One round of load; its figures appended to `results`, its wall and server CPU time returned."""
         def run() -> Sample:
             cpu = tree_cpu(self.pid)
-            got = asyncio.run(load_round(self.url, model, prompts, concurrency, requests, self.key))
+            got = asyncio.run(load_round(self.url, model, prompts, concurrency, requests, self.key, NEW_TOKENS))
             results.append(got)
             return Sample(got["wall"], tree_cpu(self.pid) - cpu)
         return run
@@ -525,14 +468,6 @@ def vllm_server_cmd(folder: Path, port: int, key: str) -> list[str]:
             "--host", "127.0.0.1", "--port", str(port), "--api-key", key, "--seed", "0"]
 
 
-def serving_figures(rs: list[dict]) -> str:
-    ttft = [t for r in rs for t in r["ttft"]]
-    itl = [g for r in rs for g in r["itl"]]
-    tps = statistics.median(r["tokens"] / r["wall"] for r in rs)
-    return (f"{tps:.1f} tokens/s, TTFT p50 {percentile(ttft, 50) * 1e3:.0f} ms p99 {percentile(ttft, 99) * 1e3:.0f} ms, "
-            f"ITL p50 {percentile(itl, 50) * 1e3:.1f} ms p99 {percentile(itl, 99) * 1e3:.1f} ms")
-
-
 def online(folder: Path, logs: Path, reps: int, budget: float, levels: list[int], command: str,
            peer: str) -> list[Row]:
     vocab = write_model("small", folder)
@@ -552,7 +487,7 @@ def online(folder: Path, logs: Path, reps: int, budget: float, levels: list[int]
         servers["peer"].wait_ready(900)
         models = {side: served_model(server) for side, server in servers.items()}
         for side, server in servers.items():  # warm-up
-            asyncio.run(load_round(server.url, models[side], prompts, 2, 2, key))
+            asyncio.run(load_round(server.url, models[side], prompts, 2, 2, key, NEW_TOKENS))
         for c in levels:
             requests = max(4, 2 * c)
             got: dict[str, list[dict]] = {side: [] for side in servers}
