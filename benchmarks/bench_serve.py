@@ -3,7 +3,7 @@
 Both sides load one directory written by our `save_pretrained` (random weights, float32) with a word-level
 tokenizer whose words are the ids ("5 17 9"), so a text prompt is exactly its token ids and every
 generated token decodes to one word. vLLM lives in its own virtual environment (.venv/vllm, `make bench`
-installs it), so each side runs in a worker process of its own (this script with `--worker`), on the same
+installs it), so each side runs in a worker process of its own (benchmarks/serve_worker.py), on the same
 2 threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-1, or what that variable says; the contended part sets its
 own). Each worker times its own runs: the wall clock, and the CPU time of its whole process tree (vLLM
 runs a front end, an engine core and a model worker process). Runs alternate in ABBA order (ours, vLLM, vLLM, ours, …); the ratio is the
@@ -46,11 +46,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ROOT, THREADS, Duel, Row, Sample, command_line, emit, row_from, save, setup  # noqa: E402
+from harness import ROOT, THREADS, Duel, Row, Sample, command_line, emit, row_from, save  # noqa: E402
 from serve_client import load_round, serving_figures  # noqa: E402
+from serve_worker import MAX_MODEL_LEN, tree_cpu  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv" / "vllm" / "bin" / "python"
-MAX_MODEL_LEN = 2048
 NEW_TOKENS = 64
 KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: 131k tokens at `small`, 23k at the 135M shape (ours: 32k)
 SHAPES = ("small", "SmolLM2-135M")
@@ -58,84 +58,6 @@ OURS = {"generate": "ours", "loop": "ours-loop"}  # --ours choice: worker kind
 OUR_CONTENDED = {"OMP_WAIT_POLICY unset": {"OMP_WAIT_POLICY": None},  # our settings in the contended part
                  "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
                  "1 thread": {"OMP_WAIT_POLICY": None, "OMP_NUM_THREADS": "1"}}
-
-
-# -- clocks ---------------------------------------------------------------------------------------------
-def tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a process and every descendant alive now, from /proc."""
-    total, todo, tick = 0.0, [pid], os.sysconf("SC_CLK_TCK")
-    while todo:
-        p = todo.pop()
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
-
-
-# -- the workers (each side in a process of its own) ----------------------------------------------------
-def our_generator(model_dir: str, threads: int, loop: bool = False) -> Callable:
-    """`Engine.generate` stepping the batch on the calling (main) thread, or with `loop` on the engine's
-    background loop thread, as `astrai-pl serve` runs it."""
-    setup(threads)
-    from astrai_pl.inference import Engine, SamplingParams
-    from astrai_pl.model import Transformer
-
-    engine = Engine(Transformer.from_pretrained(model_dir).eval(), page_size=16)
-    if loop:
-        engine.start()
-
-    def generate(prompts, max_tokens: int, logprobs: bool):
-        engine.reset_prefix_cache()  # every run computes every prompt; the weights' copies stay
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs)
-        outs = engine.generate(prompts, params)
-        return [list(o.token_ids) for o in outs], [list(o.logprobs) for o in outs] if logprobs else None
-
-    return generate
-
-
-def vllm_generator(model_dir: str, threads: int) -> Callable:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
-
-    def generate(prompts, max_tokens: int, logprobs: bool):
-        llm.reset_prefix_cache()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                                logprobs=0 if logprobs else None)
-        outs = [o.outputs[0] for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                                   params, use_tqdm=False)]
-        lps = [[step[t].logprob for step, t in zip(o.logprobs, o.token_ids)] for o in outs] if logprobs else None
-        return [list(o.token_ids) for o in outs], lps
-
-    return generate
-
-
-def serve_as_worker(kind: str, model_dir: str, threads: int) -> None:
-    """Answer one JSON line per request line on stdin; everything the libraries print goes to stderr."""
-    answer = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    if kind == "vllm":
-        generate = vllm_generator(model_dir, threads)
-    else:
-        generate = our_generator(model_dir, threads, loop=kind == "ours-loop")
-    answer.write(json.dumps({"ready": True}) + "\n")
-    for line in sys.stdin:
-        request = json.loads(line)
-        if request.get("op") == "quit":
-            break
-        try:
-            wall, cpu = time.perf_counter(), tree_cpu(os.getpid())
-            tokens, logprobs = generate(request["prompts"], request["max_tokens"], request["logprobs"])
-            reply = dict(wall=time.perf_counter() - wall, cpu=tree_cpu(os.getpid()) - cpu, tokens=tokens,
-                         logprobs=logprobs)
-        except Exception as err:  # the parent reports it and stops this worker
-            reply = {"error": f"{type(err).__name__}: {err}"}
-        answer.write(json.dumps(reply) + "\n")
 
 
 class Process:
@@ -175,7 +97,7 @@ class Worker(Process):
     def __init__(self, name: str, kind: str, model_dir: Path, env: dict[str, str], logs: Path,
                  start_timeout: float = 900):
         python = str(VLLM_PYTHON) if kind == "vllm" else sys.executable  # kind: ours, ours-loop or vllm
-        cmd = [python, __file__, "--worker", kind, "--model", str(model_dir)]
+        cmd = [python, str(Path(__file__).with_name("serve_worker.py")), kind, str(model_dir)]
         super().__init__(cmd, env, logs / f"{name}.log", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.name, self.lines = name, queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -527,11 +449,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--ours", nargs="+", choices=list(OURS), default=list(OURS),
                         help="how our offline side steps the batch: on the calling thread, on the background loop")
-    parser.add_argument("--worker", choices=["ours", "ours-loop", "vllm"], help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        return serve_as_worker(args.worker, args.model, int(os.environ.get("OMP_NUM_THREADS") or THREADS))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the workers and servers are closed on the way out
     command = command_line()
     if not VLLM_PYTHON.exists():
