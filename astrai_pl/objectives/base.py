@@ -23,6 +23,7 @@ from ..model.lora import adapter_state, adapters_disabled, apply_lora, merge_lor
 from ..model.nf4 import check_quantize, quantize_base
 from ..parallel import ActivationCheckpointing, check_activation_checkpointing, configure_model, is_dtensor
 from .losses import IGNORE_INDEX, cross_entropy, linear_cross_entropy, next_token_labels
+from .schedules import fit_schedule_length
 
 
 def check_accumulation(k: Any) -> int:
@@ -108,7 +109,8 @@ class Objective(L.LightningModule, ABC):
             optimizer: Optimizer class and arguments (default AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1);
                 its weight decay applies to matrices and embeddings, never to norms and biases. DPO usually
                 wants a far smaller lr, e.g. 5e-7 to 5e-6 on large models.
-            scheduler: Learning-rate schedule stepped per optimizer step (e.g. WarmupCosine).
+            scheduler: Learning-rate schedule stepped per optimizer step (e.g. WarmupCosine); its max_steps
+                left null is the trainer's length (trainer.estimated_stepping_batches).
             activation_checkpointing: Recompute activations in the backward pass instead of keeping them:
                 "none", "full" (each whole block) or "selective" (keep matmul and attention outputs,
                 recompute the pointwise ops between them). Less memory for more compute. GRPO's rollouts
@@ -317,6 +319,7 @@ class Objective(L.LightningModule, ABC):
         if self.scheduler_fn is None:
             return optimizer
         scheduler = self.scheduler_fn(optimizer)
+        fit_schedule_length(scheduler, self.trainer)  # max_steps None: the trainer's length
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def accumulation_scale(
