@@ -26,8 +26,9 @@ Eval mode applies transformers' `rescale_every`: block i's output projections (t
 are divided by 2^(i // rescale_every) and the residual stream halved after every rescale_every-th block.
 Both are exact powers of two, so only the LayerNorm epsilons see the difference; training never rescales.
 
-Not served by the inference engine yet (`check_engine_support`), and no fused kernel: the recurrence is a
-loop over time in PyTorch (kept out of `torch.compile`'s graph).
+Not served by the inference engine yet (`check_engine_support`). The recurrence runs as a fused CPU kernel
+each way in float32 on CPU (`astrai_pl.ops.wkv`), elsewhere as a loop over time in PyTorch (kept out of
+`torch.compile`'s graph).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..ops import wkv as wkv_kernel
 from .attention import document_ids_from_positions
 from .config import ModelConfig
 from .layers import Linear
@@ -104,12 +106,16 @@ def wkv(
     e^{u+k_t−p}); then with q = max(pp + w, k_t): aa ← e^{pp+w−q}·aa + e^{k_t−q}·v_t, bb likewise, pp ← q."""
     B, T, H = k.shape
     w, u, k32, v32 = w.float(), u.float(), k.float(), v.float()
+    start = None if state is None else tuple(s.float() for s in state)
+    if wkv_kernel.usable(w, u, k32, v32, start):  # float32 on CPU: the fused kernel, forward and backward
+        y, end = wkv_kernel.wkv(w, u, k32, v32, start, resets)
+        return y.to(v.dtype), end
     if state is None:
         aa = k32.new_zeros(B, H)
         bb = k32.new_zeros(B, H)
         pp = k32.new_full((B, H), NO_EXPONENT)
     else:
-        aa, bb, pp = (s.float() for s in state)
+        aa, bb, pp = start
     restart = set() if resets is None else set(resets.any(0).nonzero().flatten().tolist())  # one sync
     out = []
     for t in range(T):

@@ -7,6 +7,7 @@
                engine's projections on CPU, bound by reading the weights (float32, no autograd)
     paged_decode_attention  one query per request over its K/V where they lie in the paged pool: the
                inference engine's decode attention on CPU, nothing gathered (float32, no autograd)
+    wkv        RWKV-4's recurrence over a sequence, forward and backward (float32; `wkv.py` is its face)
 
 Eager PyTorch runs RMSNorm as five ops forward and about ten backward, and the rotary embedding as five
 each way, every one a pass over the activations into a fresh tensor; the kernels read the rows once each
@@ -112,8 +113,11 @@ def _build() -> ctypes.CDLL:
     lib.swiglu_backward.argtypes = [f32, f32, f32, f32, f32, long, long, c_int]
     lib.paged_decode_attention.argtypes = [f32, f32, f32, f32, long, f32, f32, f32, long, long, long, long,
                                            c_float, long, c_int]
+    lib.wkv_forward.argtypes = [f32, f32, f32, f32, f32, f32, f32, long, long, long, c_int]
+    lib.wkv_backward.argtypes = [f32] * 12 + [long, long, long, c_int]
     for fn in (lib.rms_norm_forward, lib.rms_norm_backward, lib.rotary, lib.panel_matmul, lib.pack_panels,
-               lib.swiglu_forward, lib.swiglu_backward, lib.paged_decode_attention):
+               lib.swiglu_forward, lib.swiglu_backward, lib.paged_decode_attention, lib.wkv_forward,
+               lib.wkv_backward):
         fn.restype = None
     return lib
 

@@ -341,3 +341,118 @@ void paged_decode_attention(const float *q, const float *k_pool, const float *v_
         free(scores);
     }
 }
+
+/* ---- RWKV-4's WKV recurrence over a sequence --------------------------------------------------------
+ * Per channel (b, h), with w < 0 the decay and u the current token's bonus (both per h):
+ *   y_t = (e^{u+k_t}·v_t + a_t) / (e^{u+k_t} + b_t),  a_{t+1} = e^w·a_t + e^{k_t}·v_t,  b likewise with 1.
+ * a and b are kept as aa = a·e^{-pp}, bb = b·e^{-pp} with pp the running maximum exponent (state (3, B, H):
+ * aa, bb, pp, read as the start and overwritten with the end). resets (B, T) or NULL: the state restarts
+ * (aa = bb = 0, pp = WKV_NONE) before those tokens. k, v, y (B, T, H) contiguous. Threads take (b, block of
+ * WKV_LANES channels) items; the lanes of a block are consecutive h, so the time loop's body vectorizes. */
+#define WKV_LANES 64
+#define WKV_NONE (-1e38f)
+
+static inline float maxf(float a, float b) { return a > b ? a : b; }
+
+void wkv_forward(const float *w, const float *u, const float *k, const float *v, const uint8_t *resets,
+                 float *y, float *state, long B, long T, long H, int threads) {
+    const long blocks = (H + WKV_LANES - 1) / WKV_LANES;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long item = 0; item < B * blocks; ++item) {
+        const long b = item / blocks, h0 = (item % blocks) * WKV_LANES;
+        const long n = H - h0 < WKV_LANES ? H - h0 : WKV_LANES;
+        float *aa = state + b * H + h0, *bb = aa + B * H, *pp = bb + B * H;
+        for (long t = 0; t < T; ++t) {
+            const long at = (b * T + t) * H + h0;
+            const int reset = resets != NULL && resets[b * T + t];
+#pragma omp simd
+            for (long i = 0; i < n; ++i) {
+                if (reset) { aa[i] = 0.0f; bb[i] = 0.0f; pp[i] = WKV_NONE; }
+                const float kt = k[at + i], vt = v[at + i], bonus = u[h0 + i] + kt;
+                const float p = maxf(pp[i], bonus), e1 = exp_approx(pp[i] - p), e2 = exp_approx(bonus - p);
+                y[at + i] = (e1 * aa[i] + e2 * vt) / (e1 * bb[i] + e2);
+                const float decayed = pp[i] + w[h0 + i], q = maxf(decayed, kt);
+                const float d1 = exp_approx(decayed - q), d2 = exp_approx(kt - q);
+                aa[i] = d1 * aa[i] + d2 * vt;
+                bb[i] = d1 * bb[i] + d2;
+                pp[i] = q;
+            }
+        }
+    }
+}
+
+/* Gradients of Σ_t gy_t·y_t from the start state (state0, not differentiated) and gy (B, T, H):
+ * gk, gv (B, T, H); gw, gu (B, H) per row b (summed over b by the caller). scratch (3, B, T, H).
+ * Forward sweep: y_t recomputed, with D_t = y_t's scaled denominator and p_t its exponent (the true
+ * denominator is D_t·e^{p_t}), G_t = gy_t / D_t. Then ∂/∂a_t = G_t·e^{-p_t}, ∂/∂b_t = -G_t·y_t·e^{-p_t};
+ * the direct terms: gv_t = G_t·e^{u+k_t-p_t}, gk_t = gv_t·(v_t - y_t), gu = Σ gk_t's direct part; and
+ * gw = Σ_t ∂/∂a_t·a'_t + ∂/∂b_t·b'_t with a' = ∂a/∂w carried in pp's scale: a'_{t+1} = e^w·(a_t + a'_t).
+ * Reverse sweep: A_t = Σ_{s>t} ∂/∂a_s·e^{(s-1-t)·w} (and B_t) in a scale e^{r} of their own, the largest
+ * exponent of their terms, so gv_t += e^{k_t}·A_t and gk_t += e^{k_t}·(v_t·A_t + B_t) stay within float
+ * range (k_t + r ≤ p_s for the s that sets r). A reset before token t cuts A and B: a_t no longer depends
+ * on what came before. */
+void wkv_backward(const float *w, const float *u, const float *k, const float *v, const uint8_t *resets,
+                  const float *state0, const float *gy, float *gk, float *gv, float *gw, float *gu,
+                  float *scratch, long B, long T, long H, int threads) {
+    const long blocks = (H + WKV_LANES - 1) / WKV_LANES, BTH = B * T * H;
+    float *G_a = scratch, *G_b = scratch + BTH, *P = scratch + 2 * BTH;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long item = 0; item < B * blocks; ++item) {
+        const long b = item / blocks, h0 = (item % blocks) * WKV_LANES;
+        const long n = H - h0 < WKV_LANES ? H - h0 : WKV_LANES;
+        float aa[WKV_LANES], bb[WKV_LANES], pp[WKV_LANES], da[WKV_LANES], db[WKV_LANES];
+        float sw[WKV_LANES], su[WKV_LANES];
+        for (long i = 0; i < n; ++i) {
+            aa[i] = state0[b * H + h0 + i];
+            bb[i] = state0[B * H + b * H + h0 + i];
+            pp[i] = state0[2 * B * H + b * H + h0 + i];
+            da[i] = db[i] = sw[i] = su[i] = 0.0f;
+        }
+        for (long t = 0; t < T; ++t) {
+            const long at = (b * T + t) * H + h0;
+            const int reset = resets != NULL && resets[b * T + t];
+#pragma omp simd
+            for (long i = 0; i < n; ++i) {
+                if (reset) { aa[i] = bb[i] = da[i] = db[i] = 0.0f; pp[i] = WKV_NONE; }
+                const float kt = k[at + i], vt = v[at + i], bonus = u[h0 + i] + kt;
+                const float p = maxf(pp[i], bonus), e1 = exp_approx(pp[i] - p), e2 = exp_approx(bonus - p);
+                const float D = e1 * bb[i] + e2, yt = (e1 * aa[i] + e2 * vt) / D, G = gy[at + i] / D;
+                gv[at + i] = G * e2;
+                gk[at + i] = G * e2 * (vt - yt);
+                su[i] += G * e2 * (vt - yt);
+                sw[i] += G * e1 * (da[i] - yt * db[i]);
+                G_a[at + i] = G;
+                G_b[at + i] = -G * yt;
+                P[at + i] = p;
+                const float decayed = pp[i] + w[h0 + i], q = maxf(decayed, kt);
+                const float d1 = exp_approx(decayed - q), d2 = exp_approx(kt - q);
+                da[i] = d1 * (aa[i] + da[i]);
+                db[i] = d1 * (bb[i] + db[i]);
+                aa[i] = d1 * aa[i] + d2 * vt;
+                bb[i] = d1 * bb[i] + d2;
+                pp[i] = q;
+            }
+        }
+        float ra[WKV_LANES], rb[WKV_LANES], r[WKV_LANES];
+        for (long i = 0; i < n; ++i) { ra[i] = rb[i] = 0.0f; r[i] = WKV_NONE; }
+        for (long t = T - 1; t >= 0; --t) {
+            const long at = (b * T + t) * H + h0;
+            const int reset = resets != NULL && resets[b * T + t];
+#pragma omp simd
+            for (long i = 0; i < n; ++i) {
+                const float kt = k[at + i], vt = v[at + i], e = exp_approx(kt + r[i]);
+                gv[at + i] += e * ra[i];
+                gk[at + i] += e * (vt * ra[i] + rb[i]);
+                const float carried = r[i] + w[h0 + i], fresh = -P[at + i], r2 = maxf(carried, fresh);
+                const float c1 = exp_approx(carried - r2), c2 = exp_approx(fresh - r2);
+                ra[i] = reset ? 0.0f : c1 * ra[i] + c2 * G_a[at + i];
+                rb[i] = reset ? 0.0f : c1 * rb[i] + c2 * G_b[at + i];
+                r[i] = reset ? WKV_NONE : r2;
+            }
+        }
+        for (long i = 0; i < n; ++i) {
+            gw[b * H + h0 + i] = sw[i];
+            gu[b * H + h0 + i] = su[i];
+        }
+    }
+}
