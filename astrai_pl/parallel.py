@@ -136,6 +136,11 @@ def check_tensor_parallel(cfg, tp: int) -> None:
             f"tensor_parallel_size={tp}: MoE models (num_experts={cfg.num_experts}) have no "
             "tensor-parallel plan here; use tensor_parallel_size=1 (FSDP2 alone)"
         )
+    if cfg.wide_qk_norm:
+        raise ParallelConfigError(
+            f"tensor_parallel_size={tp}: {cfg.model_type}'s q/k norms span every head, which column-parallel q/k "
+            "projections split over processes; use tensor_parallel_size=1 (FSDP2 alone)"
+        )
 
 
 def _replicated_input(layout):

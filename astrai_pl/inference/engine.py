@@ -24,6 +24,7 @@ from itertools import count
 
 import torch
 
+from ..model.layers import long_rope_after
 from .admission import Prompt, is_single_prompt, new_request, params_per_prompt, text_stream
 from .cache import CapacityError, InferenceError
 from .handle import Outbox, RequestHandle
@@ -88,7 +89,7 @@ class Engine(StepRecovery):
             contiguous,
         )  # fmt: skip
         self.page_size = self.pool.page_size
-        self.scheduler = Scheduler(self.pool, max_batch_size, max_step_tokens)
+        self.scheduler = Scheduler(self.pool, max_batch_size, max_step_tokens, long_rope_after(model.config))
         self.runner = ModelRunner(model, self.pool, self.device, self.dtype)
         self.eos_token_ids = end_ids(model, tokenizer)
         self.sessions: dict[str, Session] = {}

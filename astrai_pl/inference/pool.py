@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.layers import long_rope_after
 from ..model.rwkv import UnsupportedMixerError, check_engine_support
 from .cache import InferenceError, KVStorage, PageAllocator, ReqToTokenPool
 from .radix import RadixCache
@@ -192,6 +193,8 @@ def build_pool(cfg, device, dtype, page_size, max_total_tokens, max_batch_size, 
     max_context = min(cfg.max_position_embeddings, max_total_tokens)
     if contiguous:
         page_size, prefix_cache = max_context, False
+    if long_rope_after(cfg) is not None:  # longrope: a page's keys suit only sequences on its side of the length
+        prefix_cache = False
     page_size = positive("page_size", page_size)
     if max_total_tokens < page_size:
         raise EngineConfigError(

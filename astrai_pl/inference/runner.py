@@ -50,8 +50,12 @@ class ModelRunner:
         self.steps += 1
         input_ids = torch.tensor(ids, device=self.device)[None]
         position_ids = torch.tensor(positions, device=self.device)[None]
+        lengths = {}  # longrope: a token's angles follow its request's whole length, prompt chunks included
+        if getattr(getattr(self.model, "rotary", None), "per_sequence", False):
+            lengths["sequence_lengths"] = torch.tensor([len(req.tokens) for req, n in plan for _ in range(n)],
+                                                       device=self.device)[None]
         with Linear.input_major(self.weights):
-            hidden, _ = self.model.hidden_states(input_ids, position_ids=position_ids, cache=view)
+            hidden, _ = self.model.hidden_states(input_ids, position_ids=position_ids, cache=view, **lengths)
             ready, sample_at, end = [], [], 0
             for req, n in plan:
                 scored = req.scored_positions(req.num_computed, req.num_computed + n)

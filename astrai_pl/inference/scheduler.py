@@ -13,10 +13,15 @@ When a running request needs a page and none is free or evictable, the youngest 
 preempted: its computed full pages go to the radix cache (where they stay if not evicted; pages whose
 K/V came from a session file are never cached), the rest is freed, and it rejoins the queue at the
 front to be recomputed.
+
+LongRoPE models (Phi-3) rotate every key of a sequence longer than the original length by the long factors,
+so a request whose prompt fit that length is preempted once, at its first step past it, and recomputed whole,
+as transformers' generate does.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,11 +46,13 @@ class EngineStats:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_batch_size: int, max_step_tokens: int):
+    def __init__(self, pool: KVPool, max_batch_size: int, max_step_tokens: int, long_rope_after: int | None = None):
         self.pool, self.max_batch_size, self.max_step_tokens = pool, max_batch_size, max_step_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.long_rope_after = long_rope_after  # longrope: the original length, past which keys are re-rotated
+        self._rotated_long: weakref.WeakSet[Request] = weakref.WeakSet()
 
     @property
     def idle(self) -> bool:
@@ -68,6 +75,9 @@ class Scheduler:
         budget, preemptions = self.max_step_tokens, self.preemptions
         for req in list(self.running):  # decodes, oldest first
             if req in self.running and req.remaining <= 1:
+                if self._crosses_long_rope(req):
+                    self.preempt(req)
+                    continue
                 n = self._grow(req, req.remaining, plan)
                 if req in self.running:
                     plan.append((req, n))
@@ -81,6 +91,14 @@ class Scheduler:
         if self.preemptions == preemptions:
             self._admit(plan, budget)
         return plan
+
+    def _crosses_long_rope(self, req: Request) -> bool:
+        """Whether `req` now passes the original length of a longrope model with keys computed within it."""
+        after = self.long_rope_after
+        if after is None or req in self._rotated_long or len(req.tokens) <= after or req.num_prompt > after:
+            return False
+        self._rotated_long.add(req)
+        return req.num_computed > 0
 
     # -- memory for running requests ----------------------------------------------------------------------
     def _grow(self, req: Request, n: int, plan: list[tuple[Request, int]]) -> int:

@@ -75,6 +75,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.wide_qk_norm = cfg.wide_qk_norm  # OLMo 2: each q/k norm spans all heads' channels
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
         h, d = cfg.hidden_size, self.head_dim
         self.q_proj = Linear(h, self.n_heads * d, bias=cfg.attention_bias)
@@ -82,8 +83,8 @@ class Attention(nn.Module):
         self.v_proj = Linear(h, self.n_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = Linear(self.n_heads * d, h, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            widths = (self.n_heads * d, self.n_kv_heads * d) if self.wide_qk_norm else (d, d)
+            self.q_norm, self.k_norm = RMSNorm(widths[0], cfg.rms_norm_eps), RMSNorm(widths[1], cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -102,7 +103,9 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.wide_qk_norm:
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # RoPE before any cache write: cached keys keep the rotation of their own position.
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)

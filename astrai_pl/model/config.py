@@ -10,9 +10,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "rwkv")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "rwkv", "phi3",
+               "olmo2")
 RECURRENT_TYPES = ("rwkv",)  # blocks with a recurrent mixer (rwkv.py) in place of attention
+POST_NORM_TYPES = ("olmo2",)  # norms on the outputs of attention and of the MLP, none on their inputs (olmo2.py)
+WIDE_QK_NORM_TYPES = ("olmo2",)  # q/k norms over the whole projected width, not per head
 
 
 class ConfigError(ValueError):
@@ -55,7 +58,8 @@ class ModelConfig:
     """Shape and numerics of the decoder. Field names follow Hugging Face's `config.json`."""
 
     model_type: str = "llama"
-    """Architecture family written to config.json: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, or
+    """Architecture family written to config.json: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe,
+    phi3, olmo2 (norms on the outputs of attention and of the MLP; q/k norms over the whole width), or
     rwkv (RWKV-4 time mix and channel mix in place of attention and the MLP; the attention fields are then unused)."""
     vocab_size: int = 32000
     """Number of token embeddings (rows of embed_tokens and lm_head)."""
@@ -180,8 +184,10 @@ class ModelConfig:
             if kind not in ROPE_TYPES:
                 fail("rope_scaling", f"unknown rope_type {kind!r}", f"use one of {', '.join(ROPE_TYPES)}")
             factor = self.rope_scaling.get("factor", 0)
-            if kind != "default" and not (_matches(factor, float) and factor > 0):
+            if kind not in ("default", "longrope") and not (_matches(factor, float) and factor > 0):
                 fail("rope_scaling", "needs a positive 'factor'", "add e.g. factor: 2.0")
+            if kind == "longrope":
+                self._validate_longrope(fail)
         if self.num_experts < 0:
             fail("num_experts", "must be >= 0", "use 0 for a dense model")
         if self.num_experts:
@@ -196,6 +202,25 @@ class ModelConfig:
                  f"use indices in 0..{self.num_hidden_layers - 1}")
         if self.num_shared_experts < 0:
             fail("num_shared_experts", "must be >= 0", "use 0 for none")
+        if self.post_norm and (self.num_experts or self.hidden_act != "silu"):
+            fail("num_experts" if self.num_experts else "hidden_act",
+                 f"{self.model_type} blocks have a dense SwiGLU MLP", "use num_experts=0 and hidden_act='silu'")
+
+    def _validate_longrope(self, fail) -> None:
+        """longrope: one short and one long divisor per rotary frequency, an original length, optional factors."""
+        scaling, pairs = self.rope_scaling, self.head_size // 2
+        for key in ("short_factor", "long_factor"):
+            value = scaling.get(key)
+            if not (_matches(value, list[float]) and len(value) == pairs and all(v > 0 for v in value)):
+                fail("rope_scaling", f"longrope needs {key!r}: {pairs} positive numbers (one per frequency of "
+                     f"head_dim={self.head_size})", f"give {key} as a list of {pairs} numbers")
+        original = scaling.get("original_max_position_embeddings")
+        if not (_matches(original, int) and original > 1):
+            fail("rope_scaling", "longrope needs 'original_max_position_embeddings' > 1",
+                 "give the context length the model was pretrained with")
+        for key in ("factor", "attention_factor"):
+            if scaling.get(key) is not None and not (_matches(scaling[key], float) and scaling[key] > 0):
+                fail("rope_scaling", f"longrope's {key!r} must be a positive number", f"fix or remove {key}")
 
     def _validate_rwkv(self, fail) -> None:
         """RWKV blocks have no attention and no MoE: a field that would change those is refused, not ignored.
@@ -232,6 +257,16 @@ class ModelConfig:
                 and (index + 1) % self.decoder_sparse_step == 0)
 
     @property
+    def post_norm(self) -> bool:
+        """Whether each block normalises the outputs of attention and of the MLP instead of their inputs (OLMo 2)."""
+        return self.model_type in POST_NORM_TYPES
+
+    @property
+    def wide_qk_norm(self) -> bool:
+        """Whether the q/k RMSNorms span all heads' channels (OLMo 2) rather than each head (Qwen3)."""
+        return self.qk_norm and self.model_type in WIDE_QK_NORM_TYPES
+
+    @property
     def eos_token_ids(self) -> list[int]:
         ids = self.eos_token_id
         return [] if ids is None else list(ids) if isinstance(ids, (list, tuple)) else [ids]
@@ -244,7 +279,7 @@ class ModelConfig:
             block = 4 * h + (5 * h + 4 * h * h) + (2 * h + h * h + 2 * h * self.intermediate_size)
             return self.num_hidden_layers * block + emb + 2 * h + 2 * h  # + pre_ln, ln_out
         attn = h * d * (nq + 2 * nkv) + nq * d * h + (d * (nq + 2 * nkv) if self.attention_bias else 0)
-        attn += 2 * d if self.qk_norm else 0
+        attn += ((nq + nkv) * d if self.wide_qk_norm else 2 * d) if self.qk_norm else 0
         dense = 3 * h * self.intermediate_size
         moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)
         moe += 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gate else 0)
@@ -303,4 +338,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                          tie_word_embeddings=True, bos_token_id=128000,
                          eos_token_id=[128001, 128008, 128009], pad_token_id=None),
+    # Phi-3 and OLMo 2 at debug size: Phi-3 with LongRoPE (long factors past 256 tokens), OLMo 2 with its norms.
+    "phi3-debug": dict(model_type="phi3", vocab_size=320, hidden_size=64, intermediate_size=160,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                       max_position_embeddings=512,
+                       rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 256,
+                                     "short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0],
+                                     "long_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0]},
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "olmo2-debug": dict(model_type="olmo2", vocab_size=320, hidden_size=64, intermediate_size=160,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, qk_norm=True,
+                        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0),
 }

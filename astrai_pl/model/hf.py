@@ -150,7 +150,7 @@ def plan_weights(files: list[Path], cfg: ModelConfig, expected: dict[str, tuple[
                 if is_ignored(hf_key):
                     continue
                 shape = tuple(f.get_slice(hf_key).get_shape())
-                for key, source in sources_for(file, hf_key, shape, cfg.model_type).items():
+                for key, source in sources_for(file, hf_key, shape, cfg.model_type, cfg).items():
                     if key == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # shared with embed_tokens; transformers ignores it too
                     if key not in expected:
@@ -164,7 +164,7 @@ def plan_weights(files: list[Path], cfg: ModelConfig, expected: dict[str, tuple[
 def _check_plan(files: list[Path], cfg: ModelConfig, expected: dict[str, tuple[int, ...]],
                 sources: dict[str, Source], unexpected: list[str]) -> None:
     where = files[0].parent / (INDEX_FILE if len(files) > 1 or files[0].name != SINGLE_FILE else SINGLE_FILE)
-    missing = [repr(hf_name(k, cfg.model_type)) for k in expected if k not in sources]
+    missing = list(dict.fromkeys(repr(hf_name(k, cfg.model_type)) for k in expected if k not in sources))
     if missing:
         raise MissingWeightError(
             f"{where}: {len(missing)} weight(s) that config.json requires are missing: {_listed(missing)}. Fix: "

@@ -55,10 +55,11 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM", "rwkv": "RwkvForCausalLM",
+    "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
 }
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 EXPERTS_KEY = {"mixtral": "num_local_experts"}  # qwen3_moe files say num_experts (hub) or num_local_experts (5.x)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "olmo2")
 
 # Defaults of the transformers config classes (5.x) for the fields a file may omit.
 _COMMON = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02,
@@ -78,6 +79,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                   "norm_topk_prob": False, "qkv_bias": True, "router_aux_loss_coef": 0.001},
     "qwen3_moe": {**_COMMON, **_QWEN, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
                   "moe_intermediate_size": 768, "norm_topk_prob": False, "router_aux_loss_coef": 0.001},
+    "phi3": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "num_key_value_heads": None,
+             "original_max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 32000,
+             "pad_token_id": 32000, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0},
+    "olmo2": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "num_key_value_heads": None,
+              "bos_token_id": None, "eos_token_id": 50279, "pad_token_id": 1, "attention_dropout": 0.0},
 }
 _RWKV = dict(context_length=1024, attention_hidden_size=None, intermediate_size=None, layer_norm_epsilon=1e-5,
              bos_token_id=0, eos_token_id=0, pad_token_id=None, rescale_every=6, tie_word_embeddings=False,
@@ -120,6 +126,12 @@ def read_rope(raw: dict[str, Any], defaults: dict[str, Any], file: Path) -> tupl
         raise UnsupportedCheckpointError(
             f"{file}: key 'partial_rotary_factor' != 1 is not supported (every channel is rotated here). "
             "Fix: use a checkpoint that rotates whole heads.")
+    if raw.get("model_type") == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"  # the names of older Phi-3 files; transformers reads both as longrope
+    if kind == "longrope":  # a top-level original length wins, as in transformers (every Phi-3 config has one)
+        params["original_max_position_embeddings"] = (raw.get("original_max_position_embeddings")
+                                                      or params.get("original_max_position_embeddings")
+                                                      or raw.get("max_position_embeddings"))
     if kind == "default":
         return theta, None
     if kind in ("llama3", "yarn") and not params.get("original_max_position_embeddings"):
@@ -146,7 +158,7 @@ def _moe_fields(mt: str, raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _attention_fields(mt: str, raw: dict[str, Any], file: Path) -> dict[str, Any]:
-    if mt in ("llama", "qwen3", "qwen3_moe") and raw.get("attention_bias"):
+    if mt in ("llama", "qwen3", "qwen3_moe", "olmo2") and raw.get("attention_bias"):
         raise UnsupportedCheckpointError(
             f"{file}: key 'attention_bias' is true for {mt}, which puts a bias on o_proj too; the decoder "
             "only has q/k/v biases. Fix: use a checkpoint without attention biases.")
@@ -159,6 +171,23 @@ def _attention_fields(mt: str, raw: dict[str, Any], file: Path) -> dict[str, Any
     if mt.startswith("qwen") and not raw.get("use_sliding_window"):
         window = None
     return dict(attention_bias=bias, qk_norm=mt in QK_NORM_TYPES, sliding_window=window or None)
+
+
+def _check_phi3_olmo2(mt: str, raw: dict[str, Any], scaling: dict | None, file: Path) -> None:
+    """Refuse what transformers' Phi-3 and OLMo 2 would compute from `raw` and the decoder here cannot."""
+    for key in ("attention_dropout", "resid_pdrop", "embd_pdrop"):
+        if _number(raw.get(key) or 0, key, file) != 0:
+            raise UnsupportedCheckpointError(
+                f"{file}: key {key!r} is {raw[key]!r}; the decoder here has no dropout. Fix: set it to 0.0 "
+                "(dropout only regularises training; the weights are the same).")
+    if mt == "phi3" and scaling is not None and scaling["rope_type"] != "longrope":
+        raise UnsupportedCheckpointError(
+            f"{file}: key 'rope_scaling' has rope_type {scaling['rope_type']!r}; Phi-3 reads only longrope (or "
+            "none). Fix: give rope_type longrope with short_factor and long_factor, or null.")
+    if mt == "olmo2" and raw.get("sliding_window") is not None:
+        raise UnsupportedCheckpointError(
+            f"{file}: key 'sliding_window' is {raw['sliding_window']!r}; OLMo 2 attends to the whole context "
+            "(transformers' Olmo2 has no window). Fix: remove the key or set it to null.")
 
 
 def _model_config(fields: dict[str, Any], file: Path) -> ModelConfig:
@@ -207,6 +236,8 @@ def config_from_hf(raw: dict[str, Any], file: Path) -> ModelConfig:
         raw = {**raw, key: raw[alias]}
     raw = {**DEFAULTS[mt], **raw}
     theta, scaling = read_rope(raw, DEFAULTS[mt], file)
+    if mt in ("phi3", "olmo2"):
+        _check_phi3_olmo2(mt, raw, scaling, file)
     fields = {k: raw[k] for k in _COPIED}
     fields.update(model_type=mt, rope_theta=theta, rope_scaling=scaling,
                   torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
@@ -235,6 +266,10 @@ def check_exportable(cfg: ModelConfig) -> None:
         problems.append("no gated shared expert (qwen2_moe always has one)")
     if mt != "qwen2_moe" and shared:
         problems.append(f"shared experts ({mt} has none)")
+    if mt == "phi3" and cfg.rope_type not in ("default", "longrope"):
+        problems.append(f"rope_type={cfg.rope_type!r} (phi3 reads only longrope)")
+    if mt == "olmo2" and cfg.sliding_window is not None:
+        problems.append(f"sliding_window={cfg.sliding_window} (olmo2 has no sliding window)")
     if problems:
         raise ExportError(f"ModelConfig(model_type={mt!r}) cannot be written as {ARCHITECTURES[mt]}: "
                           f"{'; '.join(problems)}. Fix: change model_type to an architecture that has "
@@ -264,6 +299,15 @@ def _moe_json(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
+def _phi3_olmo2_json(cfg: ModelConfig) -> dict[str, Any]:
+    """No dropout; Phi-3's top-level original length (transformers lets it override the one in rope_scaling)."""
+    if cfg.model_type == "olmo2":
+        return dict(attention_bias=False, attention_dropout=0.0)
+    original = (cfg.rope_scaling or {}).get("original_max_position_embeddings") if cfg.rope_type == "longrope" else None
+    return dict(attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                original_max_position_embeddings=original or cfg.max_position_embeddings)
+
+
 def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
     """The config.json dict for cfg (call check_exportable first); `dtype` names the stored tensors' dtype."""
     mt = cfg.model_type
@@ -279,6 +323,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         out["attention_bias"] = False
     if mt == "llama":
         out["mlp_bias"] = False
+    if mt in ("phi3", "olmo2"):
+        out.update(_phi3_olmo2_json(cfg))
     if mt.startswith("qwen"):
         out["use_sliding_window"] = cfg.sliding_window is not None
     if mt != "llama":

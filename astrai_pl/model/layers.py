@@ -238,8 +238,23 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _longrope_inv_freq(cfg: ModelConfig, dim: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Ding et al., 2024; Phi-3): one divisor per frequency, `short_factor` for sequences up to
+    original_max_position_embeddings and `long_factor` beyond; both rows (2, dim/2), short first. The attention
+    factor sqrt(1 + ln(factor) / ln(original)) (factor by default max_position_embeddings / original) scales
+    both."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or cfg.max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    divisors = torch.tensor([scaling["short_factor"], scaling["long_factor"]], dtype=torch.float32)
+    return 1.0 / (divisors * cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), attention_factor
+
+
 def rope_frequencies(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (head_dim/2,) and the attention scaling factor for cfg.rope_scaling.
+    """Inverse frequencies (head_dim/2,) and the attention scaling factor for cfg.rope_scaling; for longrope
+    the short and the long set, (2, head_dim/2).
 
     `seq_len` matters only for dynamic NTK scaling, which grows the base once the context
     exceeds max_position_embeddings.
@@ -248,6 +263,8 @@ def rope_frequencies(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torc
     kind = cfg.rope_type
     if kind == "yarn":
         return _yarn_inv_freq(cfg, dim, scaling)
+    if kind == "longrope":
+        return _longrope_inv_freq(cfg, dim, scaling)
     if kind == "dynamic" and seq_len is not None and seq_len > cfg.max_position_embeddings:
         factor = float(scaling["factor"])
         base = base * ((factor * seq_len / cfg.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
@@ -268,15 +285,43 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_factor = rope_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def per_sequence(self) -> bool:
+        """Whether a token's angles depend on how long its sequence is (longrope): callers then tell the sequences
+        of a packed row apart (`document_ids`) or give each token's sequence length (`lengths`, (B, T))."""
+        return self.cfg.rope_type == "longrope"
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype, document_ids: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq
         if self.cfg.rope_type == "dynamic":
             longest = int(position_ids.max()) + 1
             if longest > self.cfg.max_position_embeddings:
                 inv_freq = rope_frequencies(self.cfg, longest)[0].to(inv_freq.device)
+        if self.per_sequence:  # the long set for every token of a sequence that reaches past the original length
+            lengths = sequence_lengths(position_ids, document_ids) if lengths is None else lengths
+            inv_freq = inv_freq[(lengths > long_rope_after(self.cfg)).long()]  # (B, T, D/2)
         freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
         return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+def long_rope_after(cfg: ModelConfig) -> int | None:
+    """The original length of a longrope model, past which a sequence takes the long factors; else None."""
+    return cfg.rope_scaling["original_max_position_embeddings"] if cfg.rope_type == "longrope" else None
+
+
+def sequence_lengths(position_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """For each token, 1 + the largest position of its sequence in this forward: (B, T), or (B, 1) when each row
+    is one sequence (`document_ids` None). A sequence is a row, or a (row, document id) pair."""
+    if document_ids is None:
+        return position_ids.amax(dim=1, keepdim=True) + 1
+    B, T = position_ids.shape
+    docs = torch.unique(document_ids, return_inverse=True)[1]  # (B, T) in 0..n-1
+    n = int(docs.max()) + 1
+    key = docs + n * torch.arange(B, device=docs.device)[:, None]
+    top = position_ids.new_full((B * n,), -1).scatter_reduce(0, key.flatten(), position_ids.flatten(), "amax")
+    return top[key] + 1
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from .attention import Attention, AttentionMask, KVCacheView, document_ids_from_
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from .moe import MoE
+from .olmo2 import PostNormBlock
 from .rwkv import RwkvBlock, final_norm, reset_rwkv_parameters, run_blocks
 
 
@@ -57,6 +58,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         recurrent = config.mixer == "rwkv"
         block = RwkvBlock if recurrent else Block
+        block = PostNormBlock if config.post_norm else block
         self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
         self.norm = final_norm(config) if recurrent else RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -91,11 +93,14 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,  # (B, T)
         document_ids: torch.Tensor | None = None,  # (B, T)
         cache: KVCacheView | None = None,
+        sequence_lengths: torch.Tensor | None = None,  # (B, T)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Final normed hidden states (B, T, hidden) and the MoE auxiliary loss (None for dense models)."""
-        return self._hidden_states(input_ids, position_ids, document_ids, cache)
+        """Final normed hidden states (B, T, hidden) and the MoE auxiliary loss (None for dense models).
+        `sequence_lengths`: the whole length of each token's sequence, where longrope needs more than this forward
+        shows (the engine's prompt chunks); by default the largest position of its row or document, plus one."""
+        return self._hidden_states(input_ids, position_ids, document_ids, cache, sequence_lengths)
 
-    def _hidden_states(self, input_ids, position_ids, document_ids, cache):
+    def _hidden_states(self, input_ids, position_ids, document_ids, cache, sequence_lengths=None):
         # The body of both `hidden_states` and `forward`: FSDP2 wraps each of the two public methods with
         # its gather/reshard hooks (parallel.py), so neither may call the other.
         if self.config.mixer == "rwkv":  # no positions or mask; each document restarts the recurrent state
@@ -107,7 +112,7 @@ class Transformer(nn.Module):
         elif document_ids is None and cache is None:
             document_ids = document_ids_from_positions(position_ids)
         x = self.embed_tokens(input_ids)
-        rope = self.rotary(position_ids, x.dtype)
+        rope = self.rotary(position_ids, x.dtype, document_ids, sequence_lengths)
         mask = AttentionMask.build(document_ids, T)
         aux = []
         for block in self.layers:
