@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "launchers.h"
 
@@ -250,11 +251,73 @@ void store_kv(Tensor k_pool, Tensor v_pool, Tensor slots, Tensor k, Tensor v, in
   check_launch(astrai::store_kv(a, as_stream(stream)), op);
 }
 
+void check_wkv_tensor(const Tensor& t, const Tensor& k, const char* op, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == k.device(), op, ": ", name, " must be on ", k.device(), ", got ",
+              t.device());
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, op, ": ", name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (call .contiguous() first)");
+}
+
+astrai::WkvArgs wkv_args(const Tensor& w, const Tensor& u, const Tensor& k, const Tensor& v,
+                         const std::optional<Tensor>& resets, const Tensor& state, const char* op) {
+  check_dims(k, 3, op, "k", "(batch, steps, channels)");
+  const int64_t B = k.size(0), T = k.size(1), H = k.size(2);
+  const std::pair<const Tensor*, const char*> tensors[] = {{&w, "w"}, {&u, "u"}, {&k, "k"}, {&v, "v"},
+                                                           {&state, "state"}};
+  for (const auto& [t, name] : tensors) check_wkv_tensor(*t, k, op, name);
+  TORCH_CHECK(v.sizes() == k.sizes(), op, ": v has shape ", v.sizes(), " but k has ", k.sizes());
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == H && u.dim() == 1 && u.size(0) == H, op, ": w and u must be (", H,
+              ",), got ", w.sizes(), " and ", u.sizes());
+  TORCH_CHECK(state.dim() == 3 && state.size(0) == 3 && state.size(1) == B && state.size(2) == H, op,
+              ": state must be (3, ", B, ", ", H, "), got ", state.sizes());
+  const uint8_t* flags = nullptr;
+  if (resets.has_value()) {
+    const Tensor& r = *resets;
+    TORCH_CHECK(r.is_cuda() && r.device() == k.device() && r.scalar_type() == torch::kBool && r.is_contiguous() &&
+                    r.dim() == 2 && r.size(0) == B && r.size(1) == T,
+                op, ": resets must be a contiguous bool (", B, ", ", T, ") tensor on ", k.device());
+    flags = reinterpret_cast<const uint8_t*>(r.data_ptr<bool>());
+  }
+  return astrai::WkvArgs{w.data_ptr<float>(), u.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                         flags, state.data_ptr<float>(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                         nullptr, B, T, H};
+}
+
+Tensor wkv_forward(Tensor w, Tensor u, Tensor k, Tensor v, std::optional<Tensor> resets, Tensor state,
+                   int64_t stream) {
+  const char* op = "wkv_forward";
+  astrai::WkvArgs a = wkv_args(w, u, k, v, resets, state, op);
+  Tensor y = torch::empty_like(k);
+  a.y = y.data_ptr<float>();
+  const c10::DeviceGuard guard(k.device());
+  check_launch(astrai::wkv_forward(a, as_stream(stream)), op);
+  return y;
+}
+
+std::vector<Tensor> wkv_backward(Tensor w, Tensor u, Tensor k, Tensor v, std::optional<Tensor> resets,
+                                 Tensor state, Tensor gy, int64_t stream) {
+  const char* op = "wkv_backward";
+  astrai::WkvArgs a = wkv_args(w, u, k, v, resets, state, op);
+  check_wkv_tensor(gy, k, op, "gy");
+  TORCH_CHECK(gy.sizes() == k.sizes(), op, ": gy has shape ", gy.sizes(), " but k has ", k.sizes());
+  Tensor gk = torch::empty_like(k), gv = torch::empty_like(v), scratch = k.new_empty({3, k.size(0), k.size(1), k.size(2)});
+  Tensor gw = k.new_empty({k.size(0), k.size(2)}), gu = k.new_empty({k.size(0), k.size(2)});
+  a.gy = gy.data_ptr<float>();
+  a.gk = gk.data_ptr<float>();
+  a.gv = gv.data_ptr<float>();
+  a.gw = gw.data_ptr<float>();
+  a.gu = gu.data_ptr<float>();
+  a.scratch = scratch.data_ptr<float>();
+  const c10::DeviceGuard guard(k.device());
+  check_launch(astrai::wkv_backward(a, as_stream(stream)), op);
+  return {gk, gv, gw.sum(0), gu.sum(0)};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.doc() = "Fused CUDA kernels of astrai_pl: rotary embedding, paged decode/prefill attention, K/V pool write";
+  m.doc() = "Fused CUDA kernels of astrai_pl: rotary embedding, paged decode/prefill attention, K/V pool write, WKV";
   m.def("rotary_emb", &rotary_emb, "Rotate q and k in place (rotate-half layout)", py::arg("q"), py::arg("k"),
         py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("stream"));
   m.def("paged_decode", &paged_decode, "One query per request against the paged K/V pool", py::arg("q"),
@@ -266,4 +329,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stream"));
   m.def("store_kv", &store_kv, "Write K/V rows into one layer of the pool at the given slots", py::arg("k_pool"),
         py::arg("v_pool"), py::arg("slots"), py::arg("k"), py::arg("v"), py::arg("stream"));
+  m.def("wkv_forward", &wkv_forward, "RWKV-4's WKV over a sequence; updates state to the end", py::arg("w"),
+        py::arg("u"), py::arg("k"), py::arg("v"), py::arg("resets"), py::arg("state"), py::arg("stream"));
+  m.def("wkv_backward", &wkv_backward, "Gradients of WKV: (gk, gv, gw, gu) from the start state and gy",
+        py::arg("w"), py::arg("u"), py::arg("k"), py::arg("v"), py::arg("resets"), py::arg("state"), py::arg("gy"),
+        py::arg("stream"));
 }

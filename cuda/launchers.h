@@ -105,4 +105,28 @@ struct StoreKVArgs {
 };
 int store_kv(const StoreKVArgs& a, cudaStream_t stream);
 
+// RWKV-4's WKV recurrence (astrai_pl/model/rwkv.py), float32, every tensor contiguous: k, v, y, gy, gk, gv
+// (batch, steps, channels); w, u (channels,); state (3, batch, channels) = aa, bb, pp (forward: read as
+// the start, overwritten with the end; backward: the start, read only); resets (batch, steps) bytes or
+// null (the state restarts before those tokens); gw, gu (batch, channels) per row; scratch (3, batch,
+// steps, channels). The forward writes y and state; the backward gk, gv, gw, gu from gy.
+struct WkvArgs {
+  const float* w;
+  const float* u;
+  const float* k;
+  const float* v;
+  const uint8_t* resets;
+  float* state;
+  float* y;
+  const float* gy;
+  float* gk;
+  float* gv;
+  float* gw;
+  float* gu;
+  float* scratch;
+  int64_t batch, steps, channels;
+};
+int wkv_forward(const WkvArgs& a, cudaStream_t stream);
+int wkv_backward(const WkvArgs& a, cudaStream_t stream);
+
 }  // namespace astrai

@@ -1,5 +1,5 @@
-"""RWKV-4's WKV recurrence over a sequence as one fused CPU kernel each way (`cpu_kernels.c`: wkv_forward,
-wkv_backward), for `astrai_pl.model.rwkv.wkv`.
+"""RWKV-4's WKV recurrence over a sequence as one fused kernel each way, for `astrai_pl.model.rwkv.wkv`: on
+CPU `cpu_kernels.c` (wkv_forward, wkv_backward), on a CUDA device `cuda/wkv.cu` (one thread per channel).
 
 The PyTorch loop over time launches about twenty small ops per token and keeps every one's output for the
 backward; the kernels run the recurrence in registers, 64 channels a thread at a time, and the backward
@@ -18,21 +18,28 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import cpu
+from . import build, cpu
 
 NO_EXPONENT = -1e38  # pp before any token (cpu_kernels.c: WKV_NONE)
 
 
 def usable(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            state: tuple[torch.Tensor, ...] | None) -> bool:
-    """Whether `wkv` takes these: float32 CPU tensors (`cpu._takes`), k and v (B, T, H) alike, w and u (H,),
-    and no gradient wanted for the start state."""
+    """Whether `wkv` takes these: float32 tensors on CPU with the CPU kernels built (`cpu._takes`) or on a
+    CUDA device with the CUDA kernels loaded, k and v (B, T, H) alike, w and u (H,), and no gradient wanted
+    for the start state."""
     start = () if state is None else tuple(state)
-    return (
+    shapes = (
         k.dim() == 3 and k.shape == v.shape and k.numel() > 0 and w.shape == u.shape == k.shape[-1:]
         and all(s.shape == k.shape[::2] for s in start) and not cpu._needs_grad(*start)
-        and cpu._takes(w, u, k, v, *start)
     )  # fmt: skip
+    if not shapes:
+        return False
+    if k.is_cuda:
+        tensors = (w, u, k, v, *start)
+        return (all(type(t) in cpu._PLAIN and t.dtype == torch.float32 and t.device == k.device for t in tensors)
+                and not torch.compiler.is_compiling() and build.forced() is not False and build.available())
+    return cpu._takes(w, u, k, v, *start)
 
 
 def _start(k: torch.Tensor, state: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
@@ -48,11 +55,18 @@ def _start(k: torch.Tensor, state: tuple[torch.Tensor, ...] | None) -> torch.Ten
 def _forward(w, u, k, v, start, flags):
     """The kernel's forward: y (B, T, H) and the state after the last token (3, B, H)."""
     B, T, H = k.shape
+    if k.is_cuda:
+        state = start.clone()
+        return build.load().wkv_forward(w, u, k, v, flags, state, _stream(k)), state
     y, state = torch.empty_like(k), start.clone()
     cpu.load().wkv_forward(cpu._ptr(w), cpu._ptr(u), cpu._ptr(k), cpu._ptr(v),
                            None if flags is None else cpu._ptr(flags), cpu._ptr(y), cpu._ptr(state), B, T, H,
                            cpu._threads(k.numel()))
     return y, state
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 class _WKV(torch.autograd.Function):
@@ -71,6 +85,9 @@ class _WKV(torch.autograd.Function):
         w, u, k, v, start = ctx.saved_tensors
         B, T, H = k.shape
         gy = gy.contiguous()
+        if k.is_cuda:
+            gk, gv, gw, gu = build.load().wkv_backward(w, u, k, v, ctx.flags, start, gy, _stream(k))
+            return gw, gu, gk, gv, None, None
         gk, gv, scratch = torch.empty_like(k), torch.empty_like(v), k.new_empty(3, B, T, H)
         gw, gu = k.new_empty(B, H), k.new_empty(B, H)
         flags = None if ctx.flags is None else cpu._ptr(ctx.flags)

@@ -92,3 +92,21 @@ def test_a_start_state_that_wants_gradients_keeps_the_loop():
     out, _ = wkv(w, u, k, v, start)
     out.sum().backward()
     assert all(s.grad is not None for s in start)  # the loop differentiates the start state
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(2, 7, 4), (3, 300, 160)])
+def test_cuda_kernel_equals_the_cpu_kernel_values_gradients_and_state(shape):
+    inputs = _inputs(*shape)
+    weights = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    resets = torch.zeros(shape[:2], dtype=torch.bool)
+    resets[0, shape[1] // 2] = True
+    on_gpu = [t.cuda() for t in inputs]
+    assert wkv_kernel.usable(*on_gpu, None)
+    cpu_out = _grads(lambda *t: wkv(*t, resets=resets), inputs, weights)
+    gpu_out = _grads(lambda *t: wkv(*t, resets=resets.cuda()), on_gpu, weights.cuda())
+    torch.testing.assert_close(gpu_out[0].cpu(), cpu_out[0], rtol=1e-4, atol=1e-5)
+    for a, b in zip(gpu_out[1], cpu_out[1]):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
+    for name, a, b in zip("wukv", gpu_out[2], cpu_out[2]):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-3, atol=1e-4, msg=name)
