@@ -12,7 +12,11 @@ override it; the context manager wins over the environment, nests, and is per th
 (contextvars). Forcing a backend that cannot run here raises `BackendUnavailable`.
 
 All tensors are (tokens, heads, head_dim) inside the view; a step's tokens are the requests' new tokens
-concatenated, decodes (one token each) first. Scale is 1/sqrt(head_dim), as in the model.
+concatenated, decodes (one token each) first. Scale is 1/sqrt(head_dim) unless the layer gives its own.
+
+Sliding windows, soft-capped scores and a scale of the model's own (`model_features`) are done by `torch`
+and `flash`; the fused `cuda` kernels do none of them, so a model that needs one skips `cuda` (forcing it
+raises BackendUnavailable naming the feature).
 """
 
 from __future__ import annotations
@@ -59,8 +63,22 @@ def _ragged(view: StepView) -> _Ragged:
     return _Ragged(table[valid].to(torch.int64), max(view.extend_lens), width)
 
 
+FEATURES = ("sliding_window", "softcap", "scale")
+
+
+def model_features(cfg) -> tuple[str, ...]:
+    """What a model's attention asks of a backend beyond plain causal attention at 1/sqrt(head_dim)."""
+    needs = {
+        "sliding_window": any(cfg.layer_window(i) is not None for i in range(cfg.num_hidden_layers)),
+        "softcap": cfg.attn_logit_softcapping is not None,
+        "scale": cfg.query_pre_attn_scalar is not None,
+    }
+    return tuple(name for name in FEATURES if needs[name])
+
+
 class FlashBackend:
     name = "flash"
+    features = frozenset(FEATURES)
 
     def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cuda":
@@ -74,7 +92,8 @@ class FlashBackend:
     def prepare(self, view: StepView, num_q_heads: int) -> _Ragged:
         return _ragged(view)
 
-    def attend(self, view: StepView, layer_idx: int, q: torch.Tensor, k_new, v_new) -> torch.Tensor:
+    def attend(self, view: StepView, layer_idx: int, q: torch.Tensor, k_new, v_new, *, window=None, scale=None,
+               softcap=None) -> torch.Tensor:
         from flash_attn import flash_attn_varlen_func
 
         meta: _Ragged = view.meta
@@ -82,7 +101,8 @@ class FlashBackend:
         v = view.storage.v[layer_idx][meta.kv_indices]
         # causal with more keys than queries aligns the queries with the last keys (flash-attn >= 2.1)
         return flash_attn_varlen_func(
-            q, k, v, view.qo_indptr, view.kv_indptr, meta.max_q, meta.max_kv, causal=True
+            q, k, v, view.qo_indptr, view.kv_indptr, meta.max_q, meta.max_kv, causal=True, softmax_scale=scale,
+            window_size=(-1, -1) if window is None else (window - 1, 0), softcap=softcap or 0.0,
         )
 
 
@@ -94,6 +114,7 @@ class CudaBackend:
     """
 
     name = "cuda"
+    features = frozenset()
 
     def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cuda":
@@ -108,7 +129,8 @@ class CudaBackend:
     def prepare(self, view: StepView, num_q_heads: int) -> tuple[int, int]:
         return max(view.extend_lens), max(view.kv_lens)
 
-    def attend(self, view: StepView, layer_idx: int, q: torch.Tensor, k_new, v_new) -> torch.Tensor:
+    def attend(self, view: StepView, layer_idx: int, q: torch.Tensor, k_new, v_new, **shape) -> torch.Tensor:
+        assert not any(v is not None for v in shape.values()), f"the fused kernels cannot do {shape}"
         ops = importlib.import_module("astrai_pl.ops")
         max_q, max_kv = view.meta
         k_pool, v_pool = view.storage.k[layer_idx], view.storage.v[layer_idx]
@@ -147,27 +169,36 @@ def attn_backend(name: str) -> Iterator[None]:
         _forced.reset(token)
 
 
-def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
-    return [n for n in BACKEND_NAMES if BACKENDS[n].unavailable_reason(torch.device(device), dtype) is None]
+def _why_not(name: str, device: torch.device, dtype: torch.dtype, needs: tuple[str, ...]) -> str | None:
+    backend = BACKENDS[name]
+    lacking = [f for f in needs if f not in getattr(backend, "features", FEATURES)]
+    if lacking:
+        return f"the model needs {', '.join(lacking)}, which the {name} backend does not do"
+    return backend.unavailable_reason(device, dtype)
 
 
-def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The forced backend (attn_backend() first, then ASTRAI_BACKEND) or the best available one."""
+def available_backends(device: torch.device, dtype: torch.dtype, needs: tuple[str, ...] = ()) -> list[str]:
+    return [n for n in BACKEND_NAMES if _why_not(n, torch.device(device), dtype, needs) is None]
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, needs: tuple[str, ...] = ()) -> AttentionBackend:
+    """The forced backend (attn_backend() first, then ASTRAI_BACKEND) or the best available one that does
+    what the model `needs` (`model_features`)."""
     device = torch.device(device)
     name, source = _forced.get(), "attn_backend"
     if name is None and os.environ.get("ASTRAI_BACKEND"):
         name, source = _checked(os.environ["ASTRAI_BACKEND"], "ASTRAI_BACKEND"), "ASTRAI_BACKEND"
     if name is not None:
-        why = BACKENDS[name].unavailable_reason(device, dtype)
+        why = _why_not(name, device, dtype, needs)
         if why is not None:
             raise BackendUnavailable(
                 f"attention backend {name!r} was forced by {source} but cannot run: {why}; "
-                f"use one of {', '.join(available_backends(device, dtype))} or drop the override"
+                f"use one of {', '.join(available_backends(device, dtype, needs))} or drop the override"
             )
         return BACKENDS[name]
     skipped = []
     for candidate in BACKEND_NAMES:
-        why = BACKENDS[candidate].unavailable_reason(device, dtype)
+        why = _why_not(candidate, device, dtype, needs)
         if why is None:
             if skipped and device.type == "cuda" and (candidate, device.type) not in _logged:
                 _logged.add((candidate, device.type))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..model.layers import InputMajorWeights, Linear
-from .backends import StepView, select_backend
+from .backends import StepView, model_features, select_backend
 from .pool import KVPool
 from .request import Request
 
@@ -24,6 +24,7 @@ class ModelRunner:
         self.steps = 0
         self.scratch: dict = {}  # attention backends' state between steps
         self.weights = InputMajorWeights() if device.type == "cpu" else None
+        self.needs = model_features(model.config)  # what the attention backend must do for this model
 
     def forward(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
         """Compute `n` tokens of each planned request; the requests now ready to sample and their logits.
@@ -37,7 +38,7 @@ class ModelRunner:
         view = StepView.build(
             self.pool.storage,
             self.pool.req_to_token.table,
-            select_backend(self.device, self.dtype),
+            select_backend(self.device, self.dtype, self.needs),
             rows=[req.row for req, _ in plan],
             prefix_lens=[req.num_computed for req, _ in plan],
             extend_lens=[n for _, n in plan],

@@ -71,14 +71,17 @@ class StepView:
     def kv_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store k, v (B, T, Hkv, D) at this step's slots; attend q (B, T, Hq, D) over each request's context."""
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               window: int | None = None, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+        """Store k, v (B, T, Hkv, D) at this step's slots; attend q (B, T, Hq, D) over each request's context
+        (its last `window` positions for a sliding layer; `scale` None is 1/sqrt(D); `softcap` caps the scores)."""
         B, T, Hq, D = q.shape
         k, v = k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
         self.storage.write(layer_idx, self.out_slots, k, v)
         if self.meta is None:
             self.meta = self.backend.prepare(self, Hq)
-        return self.backend.attend(self, layer_idx, q.reshape(B * T, Hq, D), k, v).view(B, T, Hq, D)
+        shape = dict(window=window, scale=scale, softcap=softcap)
+        return self.backend.attend(self, layer_idx, q.reshape(B * T, Hq, D), k, v, **shape).view(B, T, Hq, D)
 
 
 def _indptr(lengths: list[int], device: torch.device) -> torch.Tensor:
@@ -98,6 +101,8 @@ class AttentionBackend(Protocol):
         """Per-step metadata shared by every layer."""
 
     def attend(
-        self, view: StepView, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, view: StepView, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+        window: int | None = None, scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
-        """q (T, Hq, D) → (T, Hq, D) over K/V already in the pool; k, v (T, Hkv, D) are this step's."""
+        """q (T, Hq, D) → (T, Hq, D) over K/V already in the pool; k, v (T, Hkv, D) are this step's; a query at
+        position i sees keys j with i - window < j <= i (all j <= i when window is None)."""

@@ -19,6 +19,10 @@ two steps, then extended by each step's new token. It is valid only for the very
 the same requests, each one token longer; anything else (a request joins, finishes, is preempted)
 drops it, and the decode group is gathered from the pool until the batch settles again. The mirror's
 memory (at most `MIRROR_BYTES`) is kept by the engine and reused by the next mirror.
+
+A sliding-window layer narrows each group's mask to the last `window` positions of each query (made once
+per step and window); the CPU kernel reads only those positions. Soft-capped scores (Gemma 2) take an
+explicit softmax (`capped_attention`), which SDPA cannot do; the CPU kernel caps them itself.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..model.attention import capped_attention
 from ..ops import cpu as cpu_ops
 from .step_view import StepView
 
@@ -69,6 +74,19 @@ class _Group:
     new_rows: torch.Tensor | None = None  # (n·Hkv,) rows of a mirror layer seen as (n·Hkv·capacity, D) where
     # this step's K/V go: one index_copy_ per layer instead of an advanced-index store
     kv_lens: torch.Tensor | None = None  # (n,) int32: a decode group the CPU kernel reads from the pool
+    q_pos: torch.Tensor | None = None  # position of each mask row's query, broadcastable to the mask
+    windowed: dict | None = None  # window -> the mask narrowed to it, made on first use in a step
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer seeing the last `window` positions of each query (None: all of them)."""
+        if window is None:
+            return self.mask
+        if self.windowed is None:
+            self.windowed = {}
+        if window not in self.windowed:
+            k_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.windowed[window] = self.mask & (k_pos > self.q_pos - window)
+        return self.windowed[window]
 
 
 class TorchBackend:
@@ -96,14 +114,15 @@ class TorchBackend:
         mirror = _mirror(view, kv_lens)
         width = max(kv_lens) if mirror is not None else -(-max(kv_lens) // unit) * unit
         mask = (torch.arange(width, device=lens.device) < lens[:, None])[:, None, None, :]
+        q_pos = (lens - 1)[:, None, None, None]  # (n, 1, 1, 1)
         if mirror is not None:
             _, _, Hkv, capacity, _ = mirror.k.shape
             heads = torch.arange(nd, device=lens.device)[:, None] * Hkv + torch.arange(
                 Hkv, device=lens.device
             )
             new_rows = (heads * capacity + (lens - 1)[:, None]).reshape(-1)
-            return _Group(None, mask, None, None, None, 1, mirror=mirror, new_rows=new_rows)
-        return _Group(_gather_index(view, view.rows[:nd], width, unit), mask, None, None, None, 1)
+            return _Group(None, mask, None, None, None, 1, mirror=mirror, new_rows=new_rows, q_pos=q_pos)
+        return _Group(_gather_index(view, view.rows[:nd], width, unit), mask, None, None, None, 1, q_pos=q_pos)
 
     def _extend_group(self, view: StepView, members: list[int], group_size: int, unit: int) -> _Group:
         device = view.rows.device
@@ -121,10 +140,12 @@ class TorchBackend:
         valid = j[None] < ext[:, None]
         out_index = (torch.arange(len(members), device=device)[:, None] * width + j[None])[valid]
         kv_index = _gather_index(view, view.rows[members], ctx, unit)
-        return _Group(kv_index, mask, q_index, out_index, q_index[valid], width)
+        rows_pos = q_pos.repeat(1, group_size)[:, None, :, None]  # (n, 1, G·E, 1), rows g·E + j
+        return _Group(kv_index, mask, q_index, out_index, q_index[valid], width, q_pos=rows_pos)
 
     def attend(
-        self, view: StepView, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+        self, view: StepView, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, *,
+        window: int | None = None, scale: float | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         unit, groups = view.meta
         T, Hq, D = q.shape
@@ -137,24 +158,32 @@ class TorchBackend:
                 o = out[:n] if out is not None else None
                 o = cpu_ops.paged_decode_attention(
                     q[:n], view.storage.k[layer_idx], view.storage.v[layer_idx], view.req_to_token,
-                    view.rows[:n], g.kv_lens, g.width, out=o,
+                    view.rows[:n], g.kv_lens, g.width, out=o, window=window, scale=scale, softcap=softcap,
                 )
                 if out is None:
                     return o
                 continue
             k, v = _context(view, layer_idx, g, unit, k_new, v_new)  # (n, Hkv, C, D)
             n, E = k.shape[0], g.width
+            mask = g.mask_for(window)
             if g.q_index is None:  # decode: the first n tokens, one per request
-                o = F.scaled_dot_product_attention(q[:n].view(n, Hkv, G, D), k, v, attn_mask=g.mask)
+                o = _sdpa(q[:n].view(n, Hkv, G, D), k, v, mask, scale, softcap)
                 if out is None:
                     return o.reshape(n, Hq, D)
                 out[:n] = o.reshape(n, Hq, D)
                 continue
             qg = q[g.q_index].view(n, E, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * E, D)
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask)  # (n, Hkv, G·E, D)
+            o = _sdpa(qg, k, v, mask, scale, softcap)  # (n, Hkv, G·E, D)
             o = o.view(n, Hkv, G, E, D).permute(0, 3, 1, 2, 4).reshape(n * E, Hq, D)
             out.index_copy_(0, g.dst, o[g.out_index])
         return out
+
+
+def _sdpa(q, k, v, mask, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """SDPA of q (n, H, L, D) over k, v (n, H, C, D), or the explicit softmax when the scores are capped."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return capped_attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale, softcap)
 
 
 def _kernel_reads_pool(view: StepView) -> bool:

@@ -1,15 +1,18 @@
-"""Grouped-query self-attention with RoPE, optional q/k norm and qkv bias, block-causal over packed documents.
+"""Grouped-query self-attention with RoPE, optional q/k norm and qkv bias, block-causal over packed documents,
+a sliding window on the layers the config names, and optional soft-capping of the scores (Gemma 2).
 
 The one seam for inference: when a `cache` object is passed, the rotated q/k/v go to
 `cache.attend(layer_idx, q, k, v)` (which stores K/V and attends over the stored context);
-otherwise attention is plain `scaled_dot_product_attention`. Layout of q/k/v is (B, T, H, D).
+otherwise attention is plain `scaled_dot_product_attention` (an explicit softmax when the scores are
+soft-capped, which SDPA cannot do). The cache also gets the layer's `window`, `scale` and `softcap`.
+Layout of q/k/v is (B, T, H, D).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -17,29 +20,48 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, apply_rotary, project
+from .gemma import norm_for, softcap
+from .layers import Linear, apply_rotary, project
 
 
 class KVCacheView(Protocol):
     """What the attention layer needs from an inference cache: store new K/V, attend over the context."""
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               window: int | None = None, scale: float | None = None, softcap: float | None = None
+               ) -> torch.Tensor: ...
 
 
 @dataclass
 class AttentionMask:
-    """How tokens may attend: plain causal (mask is None) or block-causal within documents."""
+    """How tokens may attend: plain causal (mask is None) or block-causal within documents; `for_window`
+    narrows either to a sliding window (key j visible from query i when i - j < window, as transformers)."""
 
     mask: torch.Tensor | None  # (B, 1, T, T) bool, True = may attend; None = causal
+    seq_len: int = 0
+    device: torch.device | None = None
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # built once per forward and window
 
     @classmethod
-    def build(cls, document_ids: torch.Tensor | None, seq_len: int) -> AttentionMask:
+    def build(cls, document_ids: torch.Tensor | None, seq_len: int, device: torch.device | None = None
+              ) -> AttentionMask:
         # One document per row is plain causal: no (B, T, T) mask, and SDPA takes its causal kernel.
         if document_ids is None or bool((document_ids == document_ids[:, :1]).all()):
-            return cls(None)
+            return cls(None, seq_len, device)
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
         same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
-        return cls((same_doc & causal).unsqueeze(1))
+        return cls((same_doc & causal).unsqueeze(1), seq_len, document_ids.device)
+
+    def for_window(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer seeing the last `window` tokens (None: the whole context); None means causal.
+        Within a packed row the documents are contiguous, so row distance is position distance."""
+        if window is None or window >= self.seq_len:
+            return self.mask
+        if window not in self.windowed:
+            i = torch.arange(self.seq_len, device=self.device)
+            near = (i[:, None] - i[None, :] < window) & (i[:, None] >= i[None, :])  # (T, T) causal band
+            self.windowed[window] = near if self.mask is None else self.mask & near
+        return self.windowed[window]
 
 
 def document_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -71,6 +93,24 @@ def sdpa_in_float32(x: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     cap: float | None) -> torch.Tensor:
+    """softmax(mask(cap·tanh(scale·q·kᵀ / cap)))·v, the softmax in float32 (as transformers' eager attention).
+
+    q (B, Hq, T, D), k and v (B, Hkv, S, D) with query head h·G + g reading kv head h; mask bool,
+    (T, S) or (B, 1, T, S), True = may attend, or None: causal with the queries on the last keys.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    scores = softcap((q.view(B, Hkv, Hq // Hkv, T, D) @ k[:, :, None].transpose(-1, -2)) * scale, cap)
+    if mask is None:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    elif mask.dim() == 4:
+        mask = mask[:, :, None]  # (B, 1, 1, T, S) against scores (B, Hkv, G, T, S)
+    probs = scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(v.dtype)
+    return (probs @ v[:, :, None]).view(B, Hq, T, D)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -84,9 +124,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * d, h, bias=False)
         if cfg.qk_norm:
             widths = (self.n_heads * d, self.n_kv_heads * d) if self.wide_qk_norm else (d, d)
-            self.q_norm, self.k_norm = RMSNorm(widths[0], cfg.rms_norm_eps), RMSNorm(widths[1], cfg.rms_norm_eps)
+            self.q_norm, self.k_norm = norm_for(cfg, widths[0]), norm_for(cfg, widths[1])
         else:
             self.q_norm = self.k_norm = None
+        self.window = cfg.layer_window(layer_idx)
+        self.scale = None if cfg.query_pre_attn_scalar is None else cfg.attention_scale  # None: SDPA's 1/sqrt(D)
+        self.softcap = cfg.attn_logit_softcapping
 
     def forward(
         self,
@@ -109,13 +152,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # RoPE before any cache write: cached keys keep the rotation of their own position.
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if cache is not None:
-            out = cache.attend(self.layer_idx, q, k, v)  # (B, T, H, D)
+        if cache is not None:  # (B, T, H, D)
+            out = cache.attend(self.layer_idx, q, k, v, window=self.window, scale=self.scale, softcap=self.softcap)
         else:
+            attn_mask = mask.for_window(self.window)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             with torch.autocast("cpu", enabled=False) if upcast else contextlib.nullcontext():
-                out = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                    attn_mask=mask.mask, is_causal=mask.mask is None,
-                    enable_gqa=self.n_kv_heads != self.n_heads,
-                ).transpose(1, 2)
+                if self.softcap is not None:
+                    out = capped_attention(q, k, v, attn_mask, self.scale or self.head_dim**-0.5, self.softcap)
+                else:
+                    out = F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None, scale=self.scale,
+                        enable_gqa=self.n_kv_heads != self.n_heads,
+                    )
+            out = out.transpose(1, 2)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))

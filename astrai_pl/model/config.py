@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "rwkv", "phi3",
-               "olmo2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "rwkv", "gemma2",
+               "gemma3_text", "phi3", "olmo2")
+GEMMA_TYPES = ("gemma2", "gemma3_text")  # (1 + w) norms, sandwich norms, scaled embeddings (gemma.py)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 RECURRENT_TYPES = ("rwkv",)  # blocks with a recurrent mixer (rwkv.py) in place of attention
 POST_NORM_TYPES = ("olmo2",)  # norms on the outputs of attention and of the MLP, none on their inputs (olmo2.py)
 WIDE_QK_NORM_TYPES = ("olmo2",)  # q/k norms over the whole projected width, not per head
@@ -76,7 +79,7 @@ class ModelConfig:
     head_dim: int | None = None
     """Width of one head; None means hidden_size // num_attention_heads."""
     hidden_act: str = "silu"
-    """Activation of the gated MLP; only silu (SwiGLU) is supported."""
+    """Activation of the gated MLP: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, as Gemma)."""
     rms_norm_eps: float = 1e-6
     """Epsilon inside every RMSNorm."""
     rope_theta: float = 10000.0
@@ -92,7 +95,19 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm over each query and key head before RoPE (Qwen3 has it)."""
     sliding_window: int | None = None
-    """Recorded for Mistral/Qwen2 configs; attention here is full-context (see docs/model.md)."""
+    """Tokens a query of a sliding layer sees, itself included (key j visible from query i when i - j < window);
+    None: every layer attends to the whole context."""
+    layer_types: list[str] | None = None
+    """Per layer, "sliding_attention" (the window) or "full_attention"; None: every layer slides when
+    sliding_window is set (Mistral, Mixtral)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar^-0.5 (Gemma); None means head_dim."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become cap·tanh(score / cap) before the mask and softmax (Gemma 2); None: no cap."""
+    final_logit_softcapping: float | None = None
+    """Output logits become cap·tanh(logit / cap) (Gemma 2); None: no cap."""
+    rope_local_base_freq: float | None = None
+    """RoPE base of the sliding layers (Gemma 3's local layers); None means rope_theta."""
     initializer_range: float = 0.02
     """Standard deviation of the normal initialisation; residual projections are scaled by 1/sqrt(2·layers)."""
     num_experts: int = 0
@@ -173,8 +188,9 @@ class ModelConfig:
                  "each key/value head must serve a whole number of query heads")
         if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
             fail("head_dim", "must be a positive even number", "RoPE rotates pairs of channels")
-        if self.hidden_act != "silu":
-            fail("hidden_act", "only the SwiGLU MLP is implemented", "use 'silu'")
+        if self.hidden_act not in HIDDEN_ACTS:
+            fail("hidden_act", "unknown activation of the gated MLP", f"use one of {', '.join(HIDDEN_ACTS)}")
+        self._validate_attention_pattern(fail)
         if self.rms_norm_eps <= 0:
             fail("rms_norm_eps", "must be positive", "use e.g. 1e-6")
         if self.rope_theta <= 0:
@@ -206,6 +222,22 @@ class ModelConfig:
             fail("num_experts" if self.num_experts else "hidden_act",
                  f"{self.model_type} blocks have a dense SwiGLU MLP", "use num_experts=0 and hidden_act='silu'")
 
+    def _validate_attention_pattern(self, fail) -> None:
+        """Sliding windows, layer types, score scale and soft-caps: positive where set, one type per layer."""
+        if self.sliding_window is not None and self.sliding_window < 1:
+            fail("sliding_window", "must be >= 1", "give the window in tokens, or null for full attention")
+        if self.layer_types is not None:
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                fail("layer_types", f"unknown layer type(s) {bad}", f"use {' or '.join(LAYER_TYPES)}")
+            if len(self.layer_types) != self.num_hidden_layers:
+                fail("layer_types", f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers",
+                     "give one entry per layer")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_base_freq"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                fail(name, "must be positive", "give a positive number, or null to turn it off")
+
     def _validate_longrope(self, fail) -> None:
         """longrope: one short and one long divisor per rotary frequency, an original length, optional factors."""
         scaling, pairs = self.rope_scaling, self.head_size // 2
@@ -228,7 +260,8 @@ class ModelConfig:
         if self.layer_norm_epsilon <= 0:
             fail("layer_norm_epsilon", "must be positive", "use e.g. 1e-5")
         unused = dict(num_experts=0, num_shared_experts=0, attention_bias=False, qk_norm=False, rope_scaling=None,
-                      sliding_window=None, mlp_only_layers=[])
+                      sliding_window=None, mlp_only_layers=[], layer_types=None, query_pre_attn_scalar=None,
+                      attn_logit_softcapping=None, final_logit_softcapping=None, rope_local_base_freq=None)
         for name, neutral in unused.items():
             if getattr(self, name) != neutral:
                 fail(name, "rwkv blocks have no attention and no experts", f"remove it (or set {neutral!r}), or "
@@ -250,6 +283,27 @@ class ModelConfig:
         if not self.rope_scaling:
             return "default"
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+
+    def is_sliding_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based) is a local one: its layer type says so, or, without layer_types,
+        a sliding window is set. Local layers take the window and the RoPE base rope_local_base_freq."""
+        if self.layer_types is not None:
+            return self.layer_types[index] == "sliding_attention"
+        return self.sliding_window is not None
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (0-based), or None when it attends to the whole context."""
+        return self.sliding_window if self.is_sliding_layer(index) else None
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q·k: query_pre_attn_scalar^-0.5, by default head_dim^-0.5."""
+        return (self.query_pre_attn_scalar or self.head_size) ** -0.5
+
+    @property
+    def is_gemma(self) -> bool:
+        """(1 + w) RMSNorms, norms before and after attention and MLP, embeddings scaled by sqrt(hidden)."""
+        return self.model_type in GEMMA_TYPES
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder block `index` (0-based) uses the MoE feed-forward."""
@@ -283,7 +337,8 @@ class ModelConfig:
         dense = 3 * h * self.intermediate_size
         moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)
         moe += 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gate else 0)
-        blocks = sum(attn + 2 * h + (moe if self.is_moe_layer(i) else dense) for i in range(self.num_hidden_layers))
+        norms = 4 * h if self.is_gemma else 2 * h  # Gemma: norms before and after attention and the MLP
+        blocks = sum(attn + norms + (moe if self.is_moe_layer(i) else dense) for i in range(self.num_hidden_layers))
         return blocks + emb + h
 
     # -- names -------------------------------------------------------------------------------------------
@@ -314,6 +369,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "rwkv-tiny": dict(model_type="rwkv", vocab_size=320, hidden_size=192, intermediate_size=768,
                       num_hidden_layers=4, max_position_embeddings=1024, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # Gemma 2 and Gemma 3 (text) at debug size: alternating local/global layers with a window of 8 (gemma.py).
+    "gemma2-debug": dict(model_type="gemma2", vocab_size=320, hidden_size=64, intermediate_size=160,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         hidden_act="gelu_pytorch_tanh", max_position_embeddings=512, tie_word_embeddings=True,
+                         sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                         query_pre_attn_scalar=24, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                         bos_token_id=2, eos_token_id=1, pad_token_id=0),
+    "gemma3-debug": dict(model_type="gemma3_text", vocab_size=320, hidden_size=64, intermediate_size=160,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         hidden_act="gelu_pytorch_tanh", max_position_embeddings=512, tie_word_embeddings=True,
+                         sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                         query_pre_attn_scalar=24, qk_norm=True, rope_theta=1000000.0,
+                         rope_local_base_freq=10000.0, bos_token_id=2, eos_token_id=1, pad_token_id=0),
     "small": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0),

@@ -16,7 +16,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .config import MODEL_TYPES, ConfigError, ModelConfig, finite_number
+from .config import GEMMA_TYPES, MODEL_TYPES, ConfigError, ModelConfig, finite_number
+from .hf_attention import (
+    GEMMA_DEFAULTS,
+    Refused,
+    attention_json,
+    export_problems,
+    gemma3_rope_json,
+    gemma_fields,
+    gemma_raw,
+    window_fields,
+)
 
 
 class CheckpointError(ValueError):
@@ -54,12 +64,13 @@ class ExportError(ValueError):
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM", "rwkv": "RwkvForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "rwkv": "RwkvForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
 }
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 EXPERTS_KEY = {"mixtral": "num_local_experts"}  # qwen3_moe files say num_experts (hub) or num_local_experts (5.x)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe", "olmo2")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
 
 # Defaults of the transformers config classes (5.x) for the fields a file may omit.
 _COMMON = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.02,
@@ -84,6 +95,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
              "pad_token_id": 32000, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0},
     "olmo2": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "num_key_value_heads": None,
               "bos_token_id": None, "eos_token_id": 50279, "pad_token_id": 1, "attention_dropout": 0.0},
+    **{mt: {**_COMMON, **GEMMA_DEFAULTS[mt]} for mt in GEMMA_TYPES},
 }
 _RWKV = dict(context_length=1024, attention_hidden_size=None, intermediate_size=None, layer_norm_epsilon=1e-5,
              bos_token_id=0, eos_token_id=0, pad_token_id=None, rescale_every=6, tie_word_embeddings=False,
@@ -167,10 +179,11 @@ def _attention_fields(mt: str, raw: dict[str, Any], file: Path) -> dict[str, Any
             f"{file}: key 'mlp_bias' is true; the SwiGLU MLP here has no biases. "
             "Fix: use a checkpoint without MLP biases.")
     bias = {"qwen2": True, "qwen2_moe": bool(raw.get("qkv_bias"))}.get(mt, False)
-    window = raw.get("sliding_window")
-    if mt.startswith("qwen") and not raw.get("use_sliding_window"):
-        window = None
-    return dict(attention_bias=bias, qk_norm=mt in QK_NORM_TYPES, sliding_window=window or None)
+    try:
+        gemma = gemma_fields(mt, raw) if mt in GEMMA_TYPES else {}
+    except Refused as err:
+        raise UnsupportedCheckpointError(f"{file}: {err}") from None
+    return dict(attention_bias=bias, qk_norm=mt in QK_NORM_TYPES, **window_fields(mt, raw), **gemma)
 
 
 def _check_phi3_olmo2(mt: str, raw: dict[str, Any], scaling: dict | None, file: Path) -> None:
@@ -235,6 +248,11 @@ def config_from_hf(raw: dict[str, Any], file: Path) -> ModelConfig:
     if key not in raw and alias in raw:
         raw = {**raw, key: raw[alias]}
     raw = {**DEFAULTS[mt], **raw}
+    if mt in GEMMA_TYPES:
+        try:
+            raw = gemma_raw(mt, raw)
+        except Refused as err:
+            raise UnsupportedCheckpointError(f"{file}: {err}") from None
     theta, scaling = read_rope(raw, DEFAULTS[mt], file)
     if mt in ("phi3", "olmo2"):
         _check_phi3_olmo2(mt, raw, scaling, file)
@@ -270,6 +288,7 @@ def check_exportable(cfg: ModelConfig) -> None:
         problems.append(f"rope_type={cfg.rope_type!r} (phi3 reads only longrope)")
     if mt == "olmo2" and cfg.sliding_window is not None:
         problems.append(f"sliding_window={cfg.sliding_window} (olmo2 has no sliding window)")
+    problems += export_problems(cfg)
     if problems:
         raise ExportError(f"ModelConfig(model_type={mt!r}) cannot be written as {ARCHITECTURES[mt]}: "
                           f"{'; '.join(problems)}. Fix: change model_type to an architecture that has "
@@ -318,17 +337,16 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
                    context_length=cfg.max_position_embeddings, dtype=dtype, torch_dtype=dtype, use_cache=True)
         return out
     out.update({k: getattr(cfg, k) for k in _COPIED})
-    out.update(head_dim=cfg.head_size, num_key_value_heads=cfg.num_key_value_heads, **_rope_json(cfg))
+    rope = _rope_json(cfg)
+    out.update(head_dim=cfg.head_size, num_key_value_heads=cfg.num_key_value_heads,
+               **(gemma3_rope_json(cfg, rope) if mt == "gemma3_text" else rope))
     if mt in ("llama", "qwen3", "qwen3_moe"):
         out["attention_bias"] = False
     if mt == "llama":
         out["mlp_bias"] = False
     if mt in ("phi3", "olmo2"):
         out.update(_phi3_olmo2_json(cfg))
-    if mt.startswith("qwen"):
-        out["use_sliding_window"] = cfg.sliding_window is not None
-    if mt != "llama":
-        out["sliding_window"] = cfg.sliding_window
+    out.update(attention_json(cfg))
     if mt in MOE_TYPES:
         out.update(_moe_json(cfg))
     out.update(dtype=dtype, torch_dtype=dtype, use_cache=True)

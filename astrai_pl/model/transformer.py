@@ -5,6 +5,7 @@ With `model_type="rwkv"` the blocks are RWKV-4 time mix + channel mix and the no
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,8 @@ from torch import nn
 
 from .attention import Attention, AttentionMask, KVCacheView, document_ids_from_positions
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from .gemma import GemmaBlock, GemmaRMSNorm, dense_mlp, norm_for, output_layer
+from .layers import RMSNorm, RotaryEmbedding
 from .moe import MoE
 from .olmo2 import PostNormBlock
 from .rwkv import RwkvBlock, final_norm, reset_rwkv_parameters, run_blocks
@@ -34,7 +36,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else dense_mlp(cfg)
 
     def forward(self, x, rope, mask: AttentionMask, cache: KVCacheView | None = None):
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
@@ -42,6 +44,10 @@ class Block(nn.Module):
         if isinstance(out, tuple):  # MoE: (output, aux loss)
             return x + out[0], out[1]
         return x + out, None
+
+
+def gemma_block(cfg: ModelConfig, layer_idx: int) -> GemmaBlock:
+    return GemmaBlock(cfg, Attention(cfg, layer_idx))
 
 
 class Transformer(nn.Module):
@@ -57,12 +63,16 @@ class Transformer(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         recurrent = config.mixer == "rwkv"
-        block = RwkvBlock if recurrent else Block
+        block = RwkvBlock if recurrent else gemma_block if config.is_gemma else Block
         block = PostNormBlock if config.post_norm else block
         self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
-        self.norm = final_norm(config) if recurrent else RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.norm = final_norm(config) if recurrent else norm_for(config, config.hidden_size)
+        self.lm_head = output_layer(config)
         self.rotary = None if recurrent else RotaryEmbedding(config)  # RWKV has no positions
+        self.rotary_local = None  # Gemma 3: the sliding layers' own RoPE base, unscaled
+        if config.rope_local_base_freq is not None:
+            local = dataclasses.replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None)
+            self.rotary_local = RotaryEmbedding(local)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.lora_config = None  # a LoraConfig once adapters are added (lora.py)
@@ -84,6 +94,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, 0.0, std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, GemmaRMSNorm):  # (1 + w): zero is the identity scale
+                nn.init.zeros_(module.weight)
         if self.config.mixer == "rwkv":
             reset_rwkv_parameters(self.layers, residual_std)
 
@@ -112,11 +124,14 @@ class Transformer(nn.Module):
         elif document_ids is None and cache is None:
             document_ids = document_ids_from_positions(position_ids)
         x = self.embed_tokens(input_ids)
+        if self.config.is_gemma:  # sqrt(hidden) rounded to the activations' dtype, as transformers does
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         rope = self.rotary(position_ids, x.dtype, document_ids, sequence_lengths)
-        mask = AttentionMask.build(document_ids, T)
+        local = rope if self.rotary_local is None else self.rotary_local(position_ids, x.dtype)
+        mask = AttentionMask.build(document_ids, T, x.device)
         aux = []
-        for block in self.layers:
-            x, block_aux = block(x, rope, mask, cache)
+        for i, block in enumerate(self.layers):
+            x, block_aux = block(x, local if self.config.is_sliding_layer(i) else rope, mask, cache)
             if block_aux is not None:
                 aux.append(block_aux)
         return self.norm(x), (torch.stack(aux).mean() if aux else None)

@@ -256,7 +256,7 @@ class Objective(L.LightningModule, ABC):
         tokens = (targets != IGNORE_INDEX).sum()
         normalizer = self.accumulation_scale(batch, tokens)
         weight = self.model.lm_head.weight
-        if is_dtensor(weight):
+        if is_dtensor(weight) or getattr(self.model.lm_head, "softcap", None) is not None:  # capped: not fusable
             loss, metrics = cross_entropy(self.model.lm_head(hidden), targets, label_smoothing=label_smoothing,
                                           normalizer=normalizer)
         else:

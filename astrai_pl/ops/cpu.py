@@ -112,7 +112,7 @@ def _build() -> ctypes.CDLL:
     lib.swiglu_forward.argtypes = [f32, long, f32, long, f32, long, long, c_int]
     lib.swiglu_backward.argtypes = [f32, f32, f32, f32, f32, long, long, c_int]
     lib.paged_decode_attention.argtypes = [f32, f32, f32, f32, long, f32, f32, f32, long, long, long, long,
-                                           c_float, long, c_int]
+                                           c_float, long, long, c_float, c_int]
     lib.wkv_forward.argtypes = [f32, f32, f32, f32, f32, f32, f32, long, long, long, c_int]
     lib.wkv_backward.argtypes = [f32] * 12 + [long, long, long, c_int]
     for fn in (lib.rms_norm_forward, lib.rms_norm_backward, lib.rotary, lib.panel_matmul, lib.pack_panels,
@@ -371,8 +371,10 @@ def paged_decode_attention_usable(q: torch.Tensor, k_pool: torch.Tensor, v_pool:
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, req_to_token: torch.Tensor,
                            rows: torch.Tensor, kv_lens: torch.Tensor, max_len: int,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q·Kᵀ/√D)·V for q (n, Hq, D), one query per request i over its positions 0 … kv_lens[i]-1,
+                           out: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
+    """softmax(q·Kᵀ/√D)·V for q (n, Hq, D), one query per request i over its positions 0 … kv_lens[i]-1
+    (only the last `window` of them when given; `scale` replaces 1/√D; `softcap` caps the scores first),
     whose slots are req_to_token[rows[i]] in k_pool / v_pool (slots, Hkv, D); query head h·G+g uses kv
     head h. Float32 CPU, no autograd (check `paged_decode_attention_usable` first); `out` (n, Hq, D)
     dense, or a new tensor. rows int64, kv_lens int32 (n,), each in [1, max_len]; req_to_token int32."""
@@ -387,5 +389,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if n:
         load().paged_decode_attention(_ptr(q), _ptr(k_pool), _ptr(v_pool), _ptr(req_to_token),
                                       req_to_token.stride(0), _ptr(rows), _ptr(kv_lens.contiguous()), _ptr(out),
-                                      n, Hq, k_pool.shape[1], D, 1.0 / D**0.5, max_len, threads)
+                                      n, Hq, k_pool.shape[1], D, 1.0 / D**0.5 if scale is None else scale, max_len,
+                                      window or 0, softcap or 0.0, threads)
     return out

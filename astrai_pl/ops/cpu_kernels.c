@@ -320,20 +320,36 @@ static void decode_values(const float *p, const float *v_pool, const int32_t *sl
     }
 }
 
+/* s[0…L) = cap · tanh(s / cap), tanh(x) = 1 - 2 / (e^{2x} + 1) through exp_approx (x clamped: e^{2x} finite). */
+static void softcap_in_place(float *s, long L, float cap) {
+    const float inv = 1.0f / cap;
+#pragma omp simd
+    for (long t = 0; t < L; ++t) {
+        float x = s[t] * inv;
+        x = x > 40.0f ? 40.0f : x < -40.0f ? -40.0f : x;
+        s[t] = cap * (1.0f - 2.0f / (exp_approx(2.0f * x) + 1.0f));
+    }
+}
+
+/* window > 0: each query sees only the last `window` of its kv_lens[i] keys (a sliding-window layer), and only
+ * those are read; cap > 0: the scores are soft-capped (cap · tanh(score / cap)) before the softmax. */
 void paged_decode_attention(const float *q, const float *k_pool, const float *v_pool, const int32_t *table,
                             long table_stride, const int64_t *rows, const int32_t *kv_lens, float *out, long n,
-                            long hq, long hkv, long dim, float scale, long max_len, int threads) {
+                            long hq, long hkv, long dim, float scale, long max_len, long window, float cap,
+                            int threads) {
     const long G = hq / hkv, items = n * hkv, stride = max_len + 8;
 #pragma omp parallel num_threads(threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)(G * stride));
 #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < items; ++item) {
-            const long h = item / n, i = item % n, L = kv_lens[i];
-            const int32_t *slots = table + rows[i] * table_stride;
+            const long h = item / n, i = item % n, start = window > 0 && kv_lens[i] > window ? kv_lens[i] - window : 0;
+            const long L = kv_lens[i] - start;
+            const int32_t *slots = table + rows[i] * table_stride + start;
             const float *qh = q + (i * hq + h * G) * dim;
             decode_scores(qh, G, k_pool, slots, L, hkv, h, dim, scale, scores, stride);
             for (long g = 0; g < G; ++g) {
+                if (cap > 0.0f) softcap_in_place(scores + g * stride, L, cap);
                 softmax_in_place(scores + g * stride, L);
                 decode_values(scores + g * stride, v_pool, slots, L, hkv, h, dim, out + (i * hq + h * G + g) * dim);
             }
