@@ -25,7 +25,7 @@ from torch import nn
 from ..atomic import partial_path, remove_path, replace_path
 from .config import ModelConfig
 from .hf import _check_finite, _open, _read_json
-from .hf_config import CheckpointError, CheckpointNotFoundError, NonFiniteWeightError
+from .hf_config import CheckpointError, CheckpointNotFoundError, ExportError, NonFiniteWeightError
 from .hf_keys import hf_name
 from .lora import LoraConfig, adapter_state, apply_lora, hf_module_name, lora_modules
 
@@ -53,6 +53,18 @@ def _peft_key(key: str, model_type: str) -> str:
     return PEFT_PREFIX + hf_name(key, model_type)
 
 
+def fused_targets(model: nn.Module) -> list[str]:
+    """The adapted modules that the Hugging Face layout fuses with others (Phi-3's qkv_proj and gate_up_proj),
+    where a PEFT adapter has one A and B for the fused matrix: none of ours maps onto it."""
+    mt = model.config.model_type
+    return [n for n, _ in lora_modules(model) if not hf_module_name(n, mt).endswith("." + n.rsplit(".", 1)[-1])]
+
+
+def _fused_advice(model: nn.Module) -> str:
+    mt, name = model.config.model_type, fused_targets(model)[0]
+    return f"{mt} holds {name} fused with others ({hf_module_name(name, mt)}) in its Hugging Face layout"
+
+
 def adapter_config_json(model: nn.Module, base_model_name_or_path: str | None = None) -> dict[str, Any]:
     """adapter_config.json for `model`'s adapter; target_modules spelled out as the full Hugging Face module
     names (as PEFT writes them for all-linear), so PEFT adapts exactly the modules adapted here."""
@@ -78,6 +90,10 @@ def save_adapter(model: nn.Module, path: str | Path, tokenizer: Any = None,
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} exists and is not a directory. Fix: pass a directory path.")
+    if fused_targets(model):
+        raise ExportError(f"{target}: not written, because {_fused_advice(model)}, which a PEFT adapter cannot "
+                          "split. Fix: merge the adapter (merge_lora, or astrai-pl convert --merge-lora) and save "
+                          "the full model, or adapt only o_proj and down_proj.")
     state = {_peft_key(k, model.config.model_type): v.detach().to("cpu").contiguous()
              for k, v in adapter_state(model).items()}
     bad = nonfinite_tensors(state.items())
@@ -138,6 +154,10 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
         raise CheckpointNotFoundError(f"{file} does not exist. Fix: pass a PEFT adapter directory (it holds "
                                       f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}; .bin adapters are not read).")
     apply_lora(model, lora)
+    if fused_targets(model):
+        raise CheckpointError(f"{Path(path) / ADAPTER_CONFIG}: target_modules adapt fused layers: "
+                              f"{_fused_advice(model)}, and the adapter's matrices would have to be split. Fix: "
+                              "merge it with PEFT's merge_and_unload and load the merged model.")
     model.__dict__["adapter_extra"] = extra
     own = adapter_state(model)
     by_peft = {_peft_key(k, model.config.model_type): k for k in own}

@@ -140,3 +140,25 @@ def test_preset_builds_and_round_trips(tmp_path):
     ids = torch.randint(0, 320, (1, 300))  # past the preset's original 256: the long factors
     with torch.no_grad():
         assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+def test_adapters_on_fused_projections_are_refused_in_peft_files(tmp_path):
+    """PEFT holds one A/B pair for qkv_proj or gate_up_proj, which no adapter here maps onto: merge instead."""
+    from astrai_pl.model import LoraConfig, merge_lora
+    from astrai_pl.model.hf import CheckpointError
+    from astrai_pl.model.lora import apply_lora
+
+    model = Transformer(ModelConfig.from_name("phi3-debug"))
+    apply_lora(model, LoraConfig(r=2, target_modules=["qkv_proj", "o_proj"]))  # PEFT's names: q, k and v here
+    with pytest.raises(ExportError, match="qkv_proj.*merge"):
+        model.save_pretrained(tmp_path / "adapter")
+    merge_lora(model).save_pretrained(tmp_path / "merged")  # the full model is written fused
+    base = Transformer(ModelConfig.from_name("phi3-debug"))
+    base.save_pretrained(tmp_path / "base")
+    apply_lora(base, LoraConfig(r=2, target_modules=["o_proj", "down_proj"]))
+    base.save_pretrained(tmp_path / "adapter")  # unfused projections: a PEFT adapter as usual
+    edit_json(tmp_path / "adapter" / "adapter_config.json",
+              lambda raw: raw.update(target_modules=["qkv_proj", "o_proj"]))
+    with pytest.raises(CheckpointError, match="target_modules.*qkv_proj"):
+        Transformer.from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")
+
