@@ -162,3 +162,12 @@ def test_adapters_on_fused_projections_are_refused_in_peft_files(tmp_path):
     with pytest.raises(CheckpointError, match="target_modules.*qkv_proj"):
         Transformer.from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")
 
+
+def test_sliding_window_on_every_layer_as_transformers(tmp_path):
+    """Phi-3-mini-4k's files set a window (2047): transformers slides every layer by it; tested past a window of 8."""
+    there, back, config = round_trip_gaps(transformers, phi3_config(sliding_window=8, num_hidden_layers=6),
+                                          tmp_path, seq_len=24)
+    assert there <= 1e-4 and back <= 1e-4, (there, back)
+    assert config["sliding_window"] == 8
+    cfg = Transformer.from_pretrained(tmp_path / "hf").config
+    assert all(cfg.layer_window(i) == 8 for i in range(cfg.num_hidden_layers))
