@@ -27,6 +27,7 @@ from torch.utils.checkpoint import (
 )
 
 from .model import ConfigError, Transformer
+from .model.gemma import GemmaRMSNorm
 from .model.layers import RMSNorm
 from .strategy import DTYPES, ParallelConfigError  # importing it registers `strategy: fsdp2`
 
@@ -184,7 +185,7 @@ def apply_tensor_parallel(model: Transformer, mesh) -> None:
         block.self_attn.n_kv_heads //= tp
     for name, module in model.named_modules():
         head_norm = name.endswith(("q_norm", "k_norm"))  # acts on this rank's heads: (B, T, H/tp, D)
-        if isinstance(module, (RMSNorm, nn.Embedding)) or name == "lm_head":
+        if isinstance(module, (RMSNorm, GemmaRMSNorm, nn.Embedding)) or name == "lm_head":
             layout = [Shard(2)] if head_norm else [Replicate()]
             distribute_module(module, mesh, input_fn=_replicated_input(layout), output_fn=_local_output)
     if tied:

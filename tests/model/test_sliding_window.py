@@ -105,3 +105,21 @@ def test_bad_window_fields_are_refused_by_name():
         ModelConfig.from_name("debug", sliding_window=4, layer_types=["sliding_attention"])
     with pytest.raises(ConfigError, match="layer_types"):
         ModelConfig.from_name("debug", sliding_window=4, layer_types=["local", "global"])
+
+
+def test_the_cpu_decode_kernel_is_given_each_layers_window(monkeypatch):
+    if not cpu_ops.available():
+        pytest.skip(f"the fused CPU kernels do not build here: {cpu_ops.unavailable_reason()}")
+    seen = []
+    kernel = cpu_ops.paged_decode_attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("window"))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention", recording)
+    cfg = ModelConfig.from_name("debug", model_type="qwen2", sliding_window=3, attention_bias=True,
+                                layer_types=["full_attention", "sliding_attention"])
+    engine = Engine(Transformer(cfg).eval(), max_total_tokens=256, page_size=1)
+    engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert seen and set(seen) == {None, 3}
