@@ -100,9 +100,12 @@ class FlashBackend:
         k = view.storage.k[layer_idx][meta.kv_indices]
         v = view.storage.v[layer_idx][meta.kv_indices]
         # causal with more keys than queries aligns the queries with the last keys (flash-attn >= 2.1)
+        extra = {} if window is None else {"window_size": (window - 1, 0)}  # flash-attn >= 2.3
+        if softcap is not None:
+            extra["softcap"] = softcap  # flash-attn >= 2.6; older versions raise naming the argument
         return flash_attn_varlen_func(
             q, k, v, view.qo_indptr, view.kv_indptr, meta.max_q, meta.max_kv, causal=True, softmax_scale=scale,
-            window_size=(-1, -1) if window is None else (window - 1, 0), softcap=softcap or 0.0,
+            **extra,
         )
 
 
