@@ -77,6 +77,7 @@ class Scheduler:
             if req in self.running and req.remaining <= 1:
                 if self._crosses_long_rope(req):
                     self.preempt(req)
+                    preemptions += 1  # not for memory: admission goes on, this request first
                     continue
                 n = self._grow(req, req.remaining, plan)
                 if req in self.running:

@@ -54,7 +54,7 @@ def edit_json(path, edit) -> None:
     path.write_text(json.dumps(raw))
 
 
-def greedy_pair(transformers, hf_config, tmp_path, prompts: list[list[int]], max_tokens: int):
+def greedy_pair(transformers, hf_config, tmp_path, prompts: list[list[int]], max_tokens: int, **engine_options):
     """(transformers' greedy continuation of each prompt, the engine's on the same weights loaded from its save)."""
     hf = hf_random(transformers, hf_config, scale=0.5)
     hf.generation_config.eos_token_id = None  # run to max_new_tokens, as ignore_eos does, with no logit masked
@@ -65,6 +65,7 @@ def greedy_pair(transformers, hf_config, tmp_path, prompts: list[list[int]], max
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
                               pad_token_id=0)
             expected.append(out[0, len(prompt):].tolist())
-    engine = Engine(Transformer.from_pretrained(tmp_path / "hf").eval(), max_total_tokens=2048, page_size=4)
+    engine_options = {"max_total_tokens": 2048, "page_size": 4, **engine_options}
+    engine = Engine(Transformer.from_pretrained(tmp_path / "hf").eval(), **engine_options)
     got = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     return expected, [c.token_ids for c in got]

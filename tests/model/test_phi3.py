@@ -83,6 +83,17 @@ def test_engine_greedy_equals_transformers_generate(tmp_path, scaling):
     assert got == expected
 
 
+def test_engine_prompt_chunks_take_the_whole_prompts_factors(tmp_path):
+    """Prefill in chunks of 6 tokens: a 20-token prompt's first chunks lie within the original length (16) but
+    take the long factors, as transformers' one forward over the prompt does."""
+    prompts = [[int(t) for t in torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (20, 13)]
+    expected, got = greedy_pair(transformers, longrope_config(), tmp_path, prompts, max_tokens=6, max_step_tokens=6)
+    assert got == expected
+    alone = greedy_pair(transformers, longrope_config(), tmp_path / "alone", prompts[1:], max_tokens=6)
+    assert alone[1] == alone[0]  # recomputed at the crossing with nothing else running
+
+
 def _saved(tmp_path, **fields):
     hf_random(transformers, longrope_config(**fields)).save_pretrained(tmp_path)
     return tmp_path
