@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from jsonargparse import set_parsing_settings
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from .callbacks.metrics import NonFiniteLossError
 from .callbacks.safety import SafetyConfig, as_list, safety_callbacks, safety_plugins
@@ -41,6 +41,7 @@ from .data.rows import DataError
 from .model.config import ConfigError
 from .model.lora import merge_lora
 from .objectives import Objective
+from .objectives.options import renamed_in_parse_error
 from .sweep import sweep_verb
 from .tokenizer import load_tokenizer
 
@@ -57,6 +58,16 @@ class SaveConfig(SaveConfigCallback):
     def save_config(self, trainer, pl_module, stage: str) -> None:
         if wandb_loggers(trainer):
             log_config(trainer, self.parser.dump(self.config, skip_none=False))
+
+
+class Parser(LightningArgumentParser):
+    """A config naming an option that took a new name is refused with the new name, not only "not accepted"."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        renamed = renamed_in_parse_error(message) if self.exit_on_error else None
+        if renamed is not None:
+            raise ConfigError(renamed)
+        super().error(message, ex)
 
 
 class AstraiCLI(LightningCLI):
@@ -106,6 +117,7 @@ def lightning_main(args: list[str] | None = None, run: bool = True) -> AstraiCLI
         return AstraiCLI(
             model_class=Objective, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
             args=args, run=run, save_config_callback=SaveConfig, save_config_kwargs={"overwrite": True},
+            parser_class=Parser,
         )
     except ValueError as err:
         cause = checkpoint_error_in(err)  # jsonargparse wraps an objective's CheckpointError in a config dump

@@ -126,7 +126,7 @@ def dpo_stage(quiet: list[str], sft: Path) -> tuple[Path, float]:
 
 
 def paired_reward(model, batches: list[dict]) -> float:
-    """Mean reward of group_size sampled completions per prompt of `batches`, each sample with its own fixed
+    """Mean reward of num_generations sampled completions per prompt of `batches`, each sample with its own fixed
     seed: called before and after training, both calls draw the same random numbers, so the difference is
     the policy's and not the luck of the draw."""
     return fmean(model.roll_out(batch, seed=10_000 * i).metrics["reward"] for i, batch in enumerate(batches))

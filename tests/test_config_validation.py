@@ -126,7 +126,7 @@ def test_grpo_refuses_prompt_and_completion_longer_than_the_model(tmp_path):
 
 
 def test_grpo_without_data_module_bounds_its_completions():
-    model = GRPO(ModelConfig.from_name("debug", max_position_embeddings=32), max_completion_length=40, kl_coef=0.0)
+    model = GRPO(ModelConfig.from_name("debug", max_position_embeddings=32), max_completion_length=40, beta=0.0)
     with pytest.raises(ConfigError, match=r"model\.init_args\.max_completion_length=40: longer than the 32"):
         model.check_sequence_length(model.longest_sequence(None))
 

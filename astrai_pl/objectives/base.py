@@ -102,7 +102,7 @@ class Objective(L.LightningModule, ABC):
         Args:
             arch: Shape of a freshly initialised model (ignored when init_from is set).
             init_from: Start from these weights: a Hugging Face directory or an astrai-pl .ckpt (e.g. the
-                previous stage's last.ckpt). DPO's reference policy, and GRPO's when kl_coef > 0, is a frozen
+                previous stage's last.ckpt). DPO's reference policy, and GRPO's when beta > 0, is a frozen
                 copy of them.
             tokenizer: Set from the data module; used by export callbacks and sample generation, and by GRPO
                 to decode completions for the reward functions.

@@ -13,8 +13,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from ..inference import Engine, SamplingParams
 from .base import Objective, frozen_copy, reference_scope
 from .logprobs import token_logprobs
-from .losses import group_advantages, grpo_loss
-from .options import check_advantage_options, check_grpo_loss_options, require
+from .losses import group_advantages, grpo_loss, rollout_importance_weights
+from .options import (
+    check_advantage_options,
+    check_grpo_loss_options,
+    check_importance_sampling_options,
+    refuse_renamed,
+    require,
+)
 from .rewards import RewardSpec, load_reward_funcs, reward_metrics, score, spec_name
 from .rollout import Rollout, completion_metrics, micro_batches, pool_tokens, reward_inputs, sample
 
@@ -25,15 +31,17 @@ class GRPO(Objective):
     """GRPO (Shao et al., 2024, DeepSeekMath): per prompt, G completions o_1..o_G from π_old, rewards R_i,
 
         A_i = (R_i − mean_g R) / (std_g R + ε)                       (scale_rewards="group")
-        L = Σ_{i,t} −min(ρ_{i,t}·A_i, clip(ρ_{i,t}, 1 − ε_c, 1 + ε_c)·A_i) / Σ_i |o_i|
-            + kl_coef · Σ_{i,t} (r_{i,t} − log r_{i,t} − 1) / Σ_i |o_i|
+        L = Σ_{i,t} −w_{i,t} · min(ρ_{i,t}·A_i, clip(ρ_{i,t}, 1 − ε_low, 1 + ε_high)·A_i) / N
+            + β · Σ_{i,t} (r_{i,t} − log r_{i,t} − 1) / N                  (loss_type="dapo")
         ρ = π_θ(o_t | q, o_<t) / π_old(o_t | q, o_<t),   r = π_ref(o_t | …) / π_θ(o_t | …)
 
-    over the completion tokens of one rollout batch, however many micro-batches the Trainer accumulates
-    (see `losses.grpo_loss` for the reductions and `rollout.accumulation_weights` for the exactness).
-    Rollouts: one per `num_iterations` optimizer steps, on the live policy with the inference engine;
-    the rollout batch is `batch_size` prompts × `group_size` completions, cut into `accumulate_grad_batches`
-    micro-batches; each optimizer step is one pass over all of them. docs/objectives.md has the schedule.
+    N the completion tokens of the optimizer step on every rank, however many micro-batches the Trainer
+    accumulates; w the truncated importance weights of the engine/trainer mismatch (see `losses.grpo_loss`
+    for the reductions, `rollout.accumulation_weights` and `rollout.window_items` for the exactness).
+    Option names and meanings are TRL's GRPOConfig's. Rollouts: one per `num_iterations` optimizer steps,
+    on the live policy with the inference engine; the rollout batch is `batch_size` prompts ×
+    `num_generations` completions, cut into `accumulate_grad_batches` micro-batches; each optimizer step is
+    one pass over all of them. docs/objectives.md has the schedule.
     """
 
     def __init__(
@@ -41,17 +49,22 @@ class GRPO(Objective):
         *args: Any,
         reward_funcs: list[RewardSpec] | None = None,
         reward_weights: list[float] | None = None,
-        group_size: int = 4,
+        num_generations: int = 4,
         max_completion_length: int = 256,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
         num_iterations: int = 1,
-        clip_eps: float = 0.2,
-        kl_coef: float = 0.01,
-        loss_type: str = "token",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.01,
+        loss_type: str = "dapo",
         scale_rewards: str = "group",
         mask_truncated_completions: bool = False,
+        vllm_importance_sampling_correction: bool = True,
+        vllm_importance_sampling_mode: str = "token_truncate",
+        vllm_importance_sampling_clip_max: float | None = 3.0,
+        vllm_importance_sampling_clip_min: float | None = None,
         zero_std_patience: int = 3,
         engine_page_size: int = 16,
         engine_max_total_tokens: int | None = None,
@@ -60,35 +73,49 @@ class GRPO(Objective):
         """
         Args:
             reward_funcs: Import paths of reward functions `f(prompts, completions, **columns) -> list[float | None]`
-                (TRL's signature), or `{path: …, kwargs: {…}}`; see astrai_pl/objectives/rewards.py.
+                (TRL's signature; `async def` ones are awaited together), `{path: …, kwargs: {…}}`, or the
+                directory of a Hugging Face sequence-classification model (a reward model) that scores
+                prompt + completion; see astrai_pl/objectives/rewards.py.
             reward_weights: One weight per reward function; None = all 1.0.
-            group_size: Completions sampled per prompt (G); advantages compare siblings, so at least 2.
+            num_generations: Completions sampled per prompt (G); advantages compare siblings, so at least 2.
             max_completion_length: Most tokens per completion (the stop token included).
             temperature: Sampling temperature of the rollouts; training scores tokens at the same temperature.
             top_p: Nucleus sampling of the rollouts (1.0 = off).
             top_k: Top-k sampling of the rollouts (0 = off).
             num_iterations: Optimizer steps (passes over the rollout batch) per rollout (μ); the old policy's
                 log-probabilities are taken when the rollout is sampled.
-            clip_eps: ε of the clipped ratio clip(ρ, 1 − ε, 1 + ε).
-            kl_coef: Weight of the k3 KL penalty to the frozen reference (the initial policy); 0 = no reference
+            epsilon: Lower clip ε_low of the ratio: clip(ρ, 1 − epsilon, 1 + epsilon_high).
+            epsilon_high: Upper clip ε_high; None = epsilon. DAPO's clip-higher uses 0.28.
+            beta: Weight of the k3 KL penalty to the frozen reference (the initial policy); 0 = no reference
                 model is kept at all.
-            loss_type: How token losses are averaged: 'token' (over all completion tokens of the rollout),
-                'grpo' (per completion, then over completions) or 'dr_grpo' (over completions × max_completion_length).
+            loss_type: How token losses are reduced (TRL's names): 'dapo' (over every completion token of the
+                optimizer step, on all ranks), 'bnpo' (over the tokens of each micro-batch), 'grpo' (per
+                completion, then over completions) or 'dr_grpo' (over completions × max_completion_length).
             scale_rewards: Advantage scale: 'group' (group std), 'batch' (rollout std) or 'none' (Dr. GRPO).
             mask_truncated_completions: Leave completions cut at max_completion_length out of the loss.
+            vllm_importance_sampling_correction: Weigh each token's policy loss by the importance weight of the
+                engine's sampling against the trainer's scoring, exp(log π_train_old − log π_engine) (TRL's name;
+                here the engine is our own, not vLLM).
+            vllm_importance_sampling_mode: 'token_truncate' (weights clipped per token), 'token_mask' (tokens
+                outside the bounds dropped), 'sequence_truncate' or 'sequence_mask' (one weight per completion).
+            vllm_importance_sampling_clip_max: Upper bound C of the weights (truncate: min(w, C)); None = none.
+            vllm_importance_sampling_clip_min: Lower bound of the weights; None = none.
             zero_std_patience: Warn once this many rollouts in a row had equal rewards within every group
                 (frac_reward_zero_std = 1: all advantages are 0 and nothing is learned).
             engine_page_size: Tokens per KV page of the rollout engine.
             engine_max_total_tokens: KV pool of the rollout engine in tokens; None = room for a whole rollout batch.
         """
-        check_advantage_options(group_size, scale_rewards)
+        refuse_renamed("GRPO", kwargs)  # options.RENAMED_OPTIONS
+        check_advantage_options(num_generations, scale_rewards)
         require(max_completion_length >= 1, "GRPO.max_completion_length", max_completion_length, "must be >= 1")
         require(temperature > 0, "GRPO.temperature", temperature, "must be > 0: GRPO needs sampled, varied "
                 "completions; use 1.0")
         require(0 < top_p <= 1, "GRPO.top_p", top_p, "must lie in (0, 1]; use 1.0 to sample from the full distribution")
         require(top_k >= 0, "GRPO.top_k", top_k, "must be >= 0; use 0 for no top-k")
         require(num_iterations >= 1, "GRPO.num_iterations", num_iterations, "must be >= 1")
-        check_grpo_loss_options(loss_type, clip_eps, kl_coef)
+        check_grpo_loss_options(loss_type, epsilon, beta, epsilon_high)
+        check_importance_sampling_options(vllm_importance_sampling_mode, vllm_importance_sampling_clip_max,
+                                          vllm_importance_sampling_clip_min)
         require(zero_std_patience >= 1, "GRPO.zero_std_patience", zero_std_patience, "must be >= 1")
         require(engine_page_size >= 1, "GRPO.engine_page_size", engine_page_size, "must be >= 1")
         specs: list[RewardSpec | Callable] = list(DEFAULT_REWARDS if reward_funcs is None else reward_funcs)
@@ -97,7 +124,7 @@ class GRPO(Objective):
         super().__init__(*args, **kwargs)  # the options of every objective: arch, init_from, … (Objective)
         self.hparams["reward_funcs"] = [spec_name(s) for s in specs]  # plain values: checkpoints load weights_only
         # With LoRA the base, adapter switched off, is the KL reference (base.reference_scope): no copy.
-        self.ref_model = frozen_copy(self.model) if kl_coef > 0 and self.model.lora_config is None else None
+        self.ref_model = frozen_copy(self.model) if beta > 0 and self.model.lora_config is None else None
         self.rollout: Rollout | None = None
         self.reward_history: list[float] = []  # mean reward of every rollout so far
         self._engine: Engine | None = None
@@ -131,7 +158,7 @@ class GRPO(Objective):
                 raise ValueError("GRPO.tokenizer is None: completions must be decoded for the reward functions; "
                                  "pass tokenizer= (astrai-pl fit links it from the data module)")
             hp = self.hparams
-            tokens = hp.engine_max_total_tokens or pool_tokens(prompt_ids, hp.group_size, hp.max_completion_length,
+            tokens = hp.engine_max_total_tokens or pool_tokens(prompt_ids, hp.num_generations, hp.max_completion_length,
                                                                hp.engine_page_size)
             with torch.inference_mode(False):
                 self._engine = Engine(self.model, self.tokenizer, page_size=hp.engine_page_size,
@@ -140,9 +167,9 @@ class GRPO(Objective):
 
     @torch.no_grad()
     def roll_out(self, batch: dict[str, list], num_micro_batches: int = 1, seed: int | None = None) -> Rollout:
-        """Sample group_size completions per prompt of `batch`, score them, and pack the micro-batches.
+        """Sample num_generations completions per prompt of `batch`, score them, and pack the micro-batches.
 
-        With a `seed`, sample j of prompt i draws from its own generator seeded seed + i · group_size + j, so
+        With a `seed`, sample j of prompt i draws from its own generator seeded seed + i · num_generations + j, so
         two calls on the same batch use the same random numbers (a paired comparison of two policies).
         """
         if "prompt_ids" not in batch:
@@ -150,24 +177,26 @@ class GRPO(Objective):
                              f"got the keys {sorted(batch)}; use data.class_path: astrai_pl.data.GRPOData")
         hp, prompt_ids = self.hparams, batch["prompt_ids"]
         params = SamplingParams(max_tokens=hp.max_completion_length, temperature=hp.temperature, top_p=hp.top_p,
-                                top_k=hp.top_k, n=hp.group_size, logprobs=True)
+                                top_k=hp.top_k, n=hp.num_generations, logprobs=True)
         if seed is not None:
-            params = [replace(params, seed=seed + i * hp.group_size) for i in range(len(prompt_ids))]
+            params = [replace(params, seed=seed + i * hp.num_generations) for i in range(len(prompt_ids))]
         completions, seconds = sample(self.rollout_engine(prompt_ids), prompt_ids, params)
         per_func, total = score(self.reward_funcs, self.reward_weights,
-                                *reward_inputs(batch, completions, hp.group_size))
-        advantages = group_advantages(total.to(self.device), hp.group_size, scale=hp.scale_rewards)
+                                *reward_inputs(batch, completions, hp.num_generations))
+        advantages = group_advantages(total.to(self.device), hp.num_generations, scale=hp.scale_rewards)
         parts = micro_batches(prompt_ids, completions, advantages, num_micro_batches, self.tokenizer.pad_token_id,
                               hp.loss_type, hp.mask_truncated_completions)
         for part in parts:  # both fixed for the whole rollout: scored once, not once per iteration
             if self.ref_model is not None:
                 part["ref_logps"] = self._logps(self.ref_model, part)
-            elif hp.kl_coef > 0:  # a LoRA run: its base is the reference
+            elif hp.beta > 0:  # a LoRA run: its base is the reference
                 with reference_scope(self.model):
                     part["ref_logps"] = self._logps(self.model, part)
             if hp.num_iterations > 1:
                 part["old_logps"] = self._logps(self.model, part)
-        metrics = {**reward_metrics([n for n, _ in self.reward_funcs], per_func, total, hp.group_size),
+                if hp.temperature != 1.0 and hp.vllm_importance_sampling_correction:  # later passes need them
+                    part["sampler_logps"] = self._logps(self.model, part, temperature=1.0)
+        metrics = {**reward_metrics([n for n, _ in self.reward_funcs], per_func, total, hp.num_generations),
                    **completion_metrics(completions, seconds)}
         return Rollout(parts, metrics, self.trainer.global_step if self._trainer is not None else 0)
 
@@ -187,7 +216,7 @@ class GRPO(Objective):
                 f"GRPO: NOTHING IS BEING LEARNED. In each of the last {self._zero_std_streak} rollouts every group "
                 "of completions got identical rewards (frac_reward_zero_std = 1.0), so every advantage is 0. "
                 "Check the reward functions (train/rewards/*/mean), make the task easier for this model (or "
-                "fine-tune it first), or raise group_size or temperature.")
+                "fine-tune it first), or raise num_generations or temperature.")
 
     def longest_sequence(self, datamodule: Any) -> tuple[str, int] | None:
         """A prompt of max_prompt_len tokens and its longest completion."""
@@ -216,23 +245,49 @@ class GRPO(Objective):
         """The GRPO loss on one micro-batch of a rollout, weighted so the accumulated gradient is exact."""
         hp = self.hparams
         logps = self._logps(self.model, batch)  # (B, T), gradients flow here only
+        correct, first = hp.vllm_importance_sampling_correction, batch.get("first_pass", False)
+        sampler = self._sampler_logps(batch, logps) if correct or first else None
+        weights = None
+        if correct:
+            weights = rollout_importance_weights(sampler, batch["rollout_logps"], batch["scored"],
+                                                 hp.vllm_importance_sampling_mode, hp.vllm_importance_sampling_clip_max,
+                                                 hp.vllm_importance_sampling_clip_min)
         loss, metrics = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
-                                  batch["mask"], hp.clip_eps, hp.kl_coef, hp.loss_type, hp.max_completion_length)
-        if batch.get("first_pass"):
-            metrics["logprob_gap"] = self._logprob_gap(batch, logps)
+                                  batch["mask"], hp.epsilon, hp.beta, hp.loss_type, hp.max_completion_length,
+                                  epsilon_high=hp.epsilon_high, num_items=batch.get("num_items"),
+                                  importance_weights=weights)
+        if first:
+            metrics.update(self._sampling_metrics(batch, sampler, weights))
         return loss * batch["weight"], metrics
 
     @torch.no_grad()
-    def _logprob_gap(self, batch: dict[str, Any], logps: torch.Tensor) -> torch.Tensor:
-        """Mean |log π_train − log π_engine| over the completion tokens, under the weights that sampled them.
-
-        The engine reports log-probabilities before temperature; at another temperature the tokens are
-        scored once more at temperature 1, so like is compared with like.
-        """
+    def _sampler_logps(self, batch: dict[str, Any], logps: torch.Tensor) -> torch.Tensor:
+        """The policy's log-probabilities of the completion tokens as the engine reports them (before
+        temperature), under the weights that sampled them: the old policy's at T = 1, or, on a first pass,
+        the current forward (at T ≠ 1 scored once more at temperature 1, so like is compared with like)."""
+        if "sampler_logps" in batch:
+            return batch["sampler_logps"]
         if self.hparams.temperature != 1.0:
-            logps = self._logps(self.model, batch, temperature=1.0)
+            return self._logps(self.model, batch, temperature=1.0)
+        old = batch.get("old_logps")
+        return logps.detach() if old is None else old
+
+    @torch.no_grad()
+    def _sampling_metrics(self, batch: dict[str, Any], sampler: torch.Tensor,
+                          weights: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """logprob_gap (mean |log π_train − log π_engine| over the completion tokens, TRL's
+        sampling/sampling_logp_difference/mean), its max, and the importance weights' min, mean and max."""
         scored = batch["scored"]
-        return ((logps.detach() - batch["rollout_logps"]).abs() * scored).sum() / scored.sum().clamp(min=1)
+        gap = (sampler - batch["rollout_logps"]).abs() * scored
+        metrics = {"logprob_gap": gap.sum() / scored.sum().clamp(min=1),
+                   "sampling/sampling_logp_difference/max": gap.max()}
+        if weights is not None:
+            keep = scored.bool() if weights.shape == scored.shape else torch.ones_like(weights, dtype=torch.bool)
+            w = weights[keep] if keep.any() else weights.new_ones(1)
+            metrics.update({"sampling/importance_sampling_ratio/min": w.min(),
+                            "sampling/importance_sampling_ratio/mean": w.mean(),
+                            "sampling/importance_sampling_ratio/max": w.max()})
+        return metrics
 
     # -- evaluation: greedy completions of held-out prompts, scored by the same reward functions ----------
     def _evaluate(self, batch, stage: str) -> None:

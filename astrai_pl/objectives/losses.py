@@ -9,16 +9,23 @@ re-exported here; the preference and RL losses below take their outputs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from .logprobs import IGNORE_INDEX, logprobs_from_logits, scored_rows, sequence_logprobs, token_logprobs
-from .options import check_advantage_options, check_dpo_options, check_grpo_loss_options
+from .options import (
+    check_advantage_options,
+    check_dpo_options,
+    check_grpo_loss_options,
+    check_importance_sampling_options,
+)
 
 __all__ = [
     "IGNORE_INDEX", "next_token_labels", "cross_entropy", "linear_cross_entropy", "logprobs_from_logits",
     "token_logprobs",
-    "sequence_logprobs", "dpo_loss", "group_advantages", "grpo_loss",
+    "sequence_logprobs", "dpo_loss", "group_advantages", "grpo_loss", "rollout_importance_weights",
 ]
 
 
@@ -276,47 +283,101 @@ def group_advantages(
     return centred / (std + eps)
 
 
+def rollout_importance_weights(
+    train_logps: torch.Tensor,  # (B, T) the trained policy's log-probs of the sampled tokens, sampling weights
+    rollout_logps: torch.Tensor,  # (B, T) the inference engine's log-probs of the same tokens
+    mask: torch.Tensor,  # (B, T), 1 on completion tokens
+    mode: str = "token_truncate",
+    clip_max: float | None = 3.0,
+    clip_min: float | None = None,
+) -> torch.Tensor:
+    """Importance weights for the mismatch between the engine that sampled and the trainer that scores.
+
+    The engine and the training forward compute π_old differently (kernels, precision, batching), so the
+    tokens were drawn from π_rollout, not quite π_old. With w_t = exp(train_logps_t − rollout_logps_t):
+
+        token_truncate     w_t clipped to [clip_min, clip_max]              (truncated IS, Yao et al., 2025)
+        token_mask         w_t, or 0 where w_t lies outside [clip_min, clip_max]
+        sequence_truncate  W = exp(Σ_t m·(train − rollout)) clipped, one weight per completion   (B, 1)
+        sequence_mask      W, or 0 for completions whose W lies outside [clip_min, clip_max]      (B, 1)
+
+    The names and bounds are TRL's (`vllm_importance_sampling_mode`, `_clip_max`, `_clip_min`); a bound of
+    None is no bound. The weights multiply the policy-gradient term of each token (`grpo_loss`'s
+    `importance_weights`); they are constants (no gradient). Positions outside `mask` get weight 1
+    (token modes) or do not count (sequence modes).
+    """
+    check_importance_sampling_options(mode, clip_max, clip_min)
+    if train_logps.shape != rollout_logps.shape or mask.shape != train_logps.shape:
+        raise ValueError(f"expected train_logps, rollout_logps and mask of one shape (B, T), got "
+                         f"{tuple(train_logps.shape)}, {tuple(rollout_logps.shape)} and {tuple(mask.shape)}")
+    dtype = torch.promote_types(train_logps.dtype, torch.float32)
+    diff = (train_logps.detach().to(dtype) - rollout_logps.detach().to(dtype)) * mask.to(dtype)  # (B, T)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=1, keepdim=True)  # (B, 1)
+    weights = torch.exp(diff)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return weights.clamp(min=low, max=high)
+    return weights.masked_fill((weights < low) | (weights > high), 0.0)
+
+
 def grpo_loss(
     logps: torch.Tensor,  # (B, T) current policy, per token
     old_logps: torch.Tensor | None,  # (B, T) policy that sampled the rollouts
     ref_logps: torch.Tensor | None,  # (B, T) frozen reference
     advantages: torch.Tensor,  # (B,)
     mask: torch.Tensor,  # (B, T), 1 on completion tokens
-    clip_eps: float = 0.2,
-    kl_coef: float = 0.01,
-    loss_type: str = "token",
+    epsilon: float = 0.2,
+    beta: float = 0.01,
+    loss_type: str = "dapo",
     max_len: int | None = None,
+    *,
+    epsilon_high: float | None = None,
+    num_items: torch.Tensor | float | None = None,
+    importance_weights: torch.Tensor | None = None,  # (B, T) or (B, 1)
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss with a KL penalty to a reference (GRPO, Shao et al., 2024).
 
-    Per completion token, with ρ = exp(logps − old_logps), r = exp(ref_logps − logps) and the
-    sequence's advantage A broadcast over its tokens:
+    Per completion token, with ρ = exp(logps − old_logps), r = exp(ref_logps − logps), the sequence's
+    advantage A broadcast over its tokens, ε_low = epsilon, ε_high = epsilon_high (None: = epsilon) and
+    w the rollout importance weights (`rollout_importance_weights`; 1 when None):
 
-        ℓ_t = −min(ρ·A, clip(ρ, 1 − ε, 1 + ε)·A) + kl_coef · (r − log r − 1)
+        ℓ_t = −w_t · min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A) + β · (r − log r − 1)
 
-    The KL term is Schulman's k3 estimator of KL(π ‖ π_ref): unbiased, always ≥ 0. The loss_type picks
-    how the masked ℓ_t are averaged:
+    ε_high > ε_low is DAPO's clip-higher (Yu et al., 2025, use 0.28 against 0.2): low-probability
+    tokens with A > 0 may grow further before their gradient stops. The KL term is Schulman's k3
+    estimator of KL(π ‖ π_ref): unbiased, always ≥ 0; w does not weigh it (as TRL). The loss_type picks
+    how the masked ℓ_t are reduced, with TRL's names and meanings:
 
-        token    Σ_{b,t} m·ℓ / Σ_{b,t} m             every completion token weighs the same (DAPO, Yu
-                                                     et al., 2025; TRL's default family)
         grpo     mean_b( Σ_t m·ℓ / Σ_t m )           per-sequence mean, then batch mean (DeepSeekMath);
                                                      long completions' tokens count less
+        bnpo     Σ_{b,t} m·ℓ / Σ_{b,t} m             over the tokens of this (local) batch
         dr_grpo  Σ_{b,t} m·ℓ / (B · max_len)          a constant divisor (Liu et al., 2025, Dr. GRPO);
                                                      max_len defaults to T, the padded length
+        dapo     Σ_{b,t} m·ℓ / num_items             num_items: the completion tokens of the whole global
+                                                     batch (DAPO); None = this batch's, as bnpo
 
-    `old_logps`, `ref_logps` and `advantages` are constants: detached here, so gradients reach `logps`
-    only. `old_logps=None` means one pass on fresh rollouts (old = logps.detach(), so ρ = 1);
-    `ref_logps=None` is allowed when kl_coef == 0.
+    For dapo the caller passes num_items so that the gradients its accumulation and data parallelism add
+    up are those of one batch: with K micro-batches per step and W ranks (each micro-batch loss divided
+    by K, gradients averaged over ranks), num_items = N / (K · W), N the completion tokens of all K·W
+    micro-batches (TRL's num_items_in_batch, rescaled alike).
+
+    `old_logps`, `ref_logps`, `advantages` and the weights are constants: detached here, so gradients
+    reach `logps` only. `old_logps=None` means one pass on fresh rollouts (old = logps.detach(), so
+    ρ = 1); `ref_logps=None` is allowed when beta == 0.
 
     Metrics (detached): `policy_loss` (the clipped term alone, reduced as the loss), `kl` (mean k3 over
-    completion tokens; 0 without a reference), `clip_ratio` (the fraction of completion tokens where
-    the clipped branch wins the min, so the token gives no gradient: ρ < 1 − ε with A < 0, or
-    ρ > 1 + ε with A > 0 — TRL's "region clipped" count; a ratio outside the band on the side that
-    would lower the loss is not counted, because PPO's min keeps its gradient).
+    completion tokens; 0 without a reference), `clip_ratio/low_mean` (ρ < 1 − ε_low with A < 0),
+    `clip_ratio/high_mean` (ρ > 1 + ε_high with A > 0) and `clip_ratio` (either: TRL's region_mean), as
+    fractions of the completion tokens: where the clipped branch wins the min, so the token gives no
+    gradient (a ratio outside the band on the side that would lower the loss is not counted, because
+    PPO's min keeps its gradient).
     """
-    check_grpo_loss_options(loss_type, clip_eps, kl_coef)
-    if ref_logps is None and kl_coef:
-        raise ValueError(f"ref_logps is None but kl_coef={kl_coef}: pass reference log-probs or set kl_coef=0")
+    check_grpo_loss_options(loss_type, epsilon, beta, epsilon_high)
+    high = epsilon if epsilon_high is None else epsilon_high
+    if ref_logps is None and beta:
+        raise ValueError(f"ref_logps is None but beta={beta}: pass reference log-probs or set beta=0")
     if mask.shape != logps.shape or advantages.shape != logps.shape[:1]:
         raise ValueError(f"expected logps and mask (B, T) and advantages (B,), got logps {tuple(logps.shape)}, "
                          f"mask {tuple(mask.shape)}, advantages {tuple(advantages.shape)}")
@@ -327,8 +388,10 @@ def grpo_loss(
     old = logps.detach() if old_logps is None else old_logps.detach().to(dtype)
     adv = advantages.detach().to(dtype).unsqueeze(1)  # (B, 1)
     ratio = torch.exp(logps - old)  # (B, T)
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    clipped = ratio.clamp(1 - epsilon, 1 + high)
     per_token_pg = -torch.min(ratio * adv, clipped * adv)  # (B, T)
+    if importance_weights is not None:
+        per_token_pg = per_token_pg * importance_weights.detach().to(dtype)
     if ref_logps is not None:
         log_r = ref_logps.detach().to(dtype) - logps
         per_token_kl = torch.exp(log_r) - log_r - 1  # (B, T)
@@ -336,20 +399,25 @@ def grpo_loss(
         per_token_kl = torch.zeros_like(logps)
 
     def reduce(per_token: torch.Tensor) -> torch.Tensor:
-        if loss_type == "token":
-            return (per_token * m).sum() / m.sum().clamp(min=1)
         if loss_type == "grpo":
             return ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()
-        return (per_token * m).sum() / (logps.size(0) * (logps.size(1) if max_len is None else max_len))
+        if loss_type == "dr_grpo":
+            return (per_token * m).sum() / (logps.size(0) * (logps.size(1) if max_len is None else max_len))
+        if loss_type == "dapo" and num_items is not None:
+            return (per_token * m).sum() / num_items
+        return (per_token * m).sum() / m.sum().clamp(min=1)  # bnpo, or dapo on this batch alone
 
     policy_loss = reduce(per_token_pg)
-    loss = policy_loss + kl_coef * reduce(per_token_kl) if kl_coef else policy_loss
+    loss = policy_loss + beta * reduce(per_token_kl) if beta else policy_loss
     with torch.no_grad():
         tokens = m.sum().clamp(min=1)
-        region_clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
+        low_clipped = (ratio < 1 - epsilon) & (adv < 0)
+        high_clipped = (ratio > 1 + high) & (adv > 0)
         metrics = {
             "policy_loss": policy_loss.detach(),
             "kl": (per_token_kl.detach() * m).sum() / tokens,
-            "clip_ratio": (region_clipped.to(dtype) * m).sum() / tokens,
+            "clip_ratio": ((low_clipped | high_clipped).to(dtype) * m).sum() / tokens,
+            "clip_ratio/low_mean": (low_clipped.to(dtype) * m).sum() / tokens,
+            "clip_ratio/high_mean": (high_clipped.to(dtype) * m).sum() / tokens,
         }
     return loss, metrics

@@ -4,13 +4,15 @@ value and the fix."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..model.config import ConfigError
 
 DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge")
 ADVANTAGE_SCALES = ("group", "batch", "none")
-GRPO_LOSS_TYPES = ("token", "grpo", "dr_grpo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def require(ok: bool, option: str, value: Any, why: str) -> None:
@@ -41,13 +43,60 @@ def check_dpo_options(beta: float, loss_type: str, label_smoothing: float, rpo_a
 
 def check_advantage_options(group_size: int, scale_rewards: str) -> None:
     """The options of GRPO that `group_advantages` takes."""
-    require(group_size >= 2, "GRPO.group_size", group_size,
+    require(group_size >= 2, "GRPO.num_generations", group_size,
             "must be >= 2: advantages compare a completion with its siblings; use the seed's 4")
     require(scale_rewards in ADVANTAGE_SCALES, "GRPO.scale_rewards", scale_rewards, f"use one of {ADVANTAGE_SCALES}")
 
 
-def check_grpo_loss_options(loss_type: str, clip_eps: float, kl_coef: float) -> None:
+def check_grpo_loss_options(loss_type: str, epsilon: float, beta: float, epsilon_high: float | None = None) -> None:
     """The options of GRPO that `grpo_loss` takes."""
-    require(clip_eps > 0, "GRPO.clip_eps", clip_eps, "must be > 0; the seed's is 0.2")
-    require(kl_coef >= 0, "GRPO.kl_coef", kl_coef, "must be >= 0; 0 drops the reference model")
+    require(epsilon > 0, "GRPO.epsilon", epsilon, "must be > 0; TRL's default is 0.2")
+    require(epsilon_high is None or epsilon_high > 0, "GRPO.epsilon_high", epsilon_high,
+            "must be > 0 (DAPO's clip-higher uses 0.28), or null for epsilon's value")
+    require(beta >= 0, "GRPO.beta", beta, "must be >= 0; 0 drops the reference model")
+    if loss_type == "token":
+        raise ConfigError("GRPO.loss_type='token' was renamed 'dapo' (TRL's name for the mean over every "
+                          "completion token of the step); set model.init_args.loss_type: dapo")
     require(loss_type in GRPO_LOSS_TYPES, "GRPO.loss_type", loss_type, f"use one of {GRPO_LOSS_TYPES}")
+
+
+def check_importance_sampling_options(mode: str, clip_max: float | None, clip_min: float | None) -> None:
+    """The options of GRPO's rollout importance sampling (`rollout_importance_weights`)."""
+    require(mode in IMPORTANCE_SAMPLING_MODES, "GRPO.vllm_importance_sampling_mode", mode,
+            f"use one of {IMPORTANCE_SAMPLING_MODES}")
+    require(clip_max is None or clip_max > 0, "GRPO.vllm_importance_sampling_clip_max", clip_max,
+            "must be > 0 (TRL's default is 3.0), or null for no upper bound")
+    require(clip_min is None or clip_min >= 0, "GRPO.vllm_importance_sampling_clip_min", clip_min,
+            "must be >= 0, or null for no lower bound")
+    if clip_max is not None and clip_min is not None and clip_min > clip_max:
+        raise ConfigError(f"GRPO.vllm_importance_sampling_clip_min={clip_min!r} is above "
+                          f"vllm_importance_sampling_clip_max={clip_max!r}; the lower bound must not exceed the upper")
+
+
+# Options that took TRL's names, per objective: a config or call with an old name is refused with the new one.
+RENAMED_OPTIONS = {"GRPO": {"kl_coef": "beta", "group_size": "num_generations", "clip_eps": "epsilon",
+                            "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max"}}
+
+
+def renamed_message(objective: str, option: str) -> str | None:
+    """What to write instead of a renamed option of `objective`, or None when `option` was not renamed."""
+    new = RENAMED_OPTIONS.get(objective, {}).get(option)
+    if new is None:
+        return None
+    return f"{option} was renamed {new} (TRL's name); set model.init_args.{new} ({objective}.{new} in Python)"
+
+
+def refuse_renamed(objective: str, options: dict[str, Any]) -> None:
+    """A ConfigError for the first option of `options` that `objective` renamed, naming the new name."""
+    for option in options:
+        if (message := renamed_message(objective, option)) is not None:
+            raise ConfigError(message)
+
+
+_NOT_ACCEPTED = re.compile(r"class_path '(?:[\w.]+\.)?(\w+)'.*?Option '(\w+)' is not accepted", re.S)
+
+
+def renamed_in_parse_error(message: str) -> str | None:
+    """The renamed-option message for a config parser's "Option 'kl_coef' is not accepted", else None."""
+    found = _NOT_ACCEPTED.search(message)
+    return renamed_message(*found.groups()) if found else None

@@ -124,22 +124,35 @@ def accumulation_weights(parts: Sequence[dict[str, torch.Tensor]], loss_type: st
     """w_i with Σ_i w_i · L_i / k = the loss over the whole rollout batch, where L_i is micro-batch i's loss
     reduced over itself and k = len(parts) (Lightning divides each micro-batch loss by k):
 
-        token            w_i = k · M_i / Σ_j M_j      (M: trained completion tokens)
         grpo, dr_grpo    w_i = k · B_i / Σ_j B_j      (B: sequences)
+        bnpo             w_i = 1                      (TRL's: each micro-batch is its own local batch)
+        dapo             w_i = 1                      (normalised by `window_items` instead)
     """
     k = len(parts)
-    if loss_type == "token":
-        sizes = [float(p["mask"].sum()) for p in parts]
-    else:
-        sizes = [float(len(p["input_ids"])) for p in parts]
+    if loss_type in ("bnpo", "dapo"):
+        return [1.0] * k
+    sizes = [float(len(p["input_ids"])) for p in parts]
     total = sum(sizes)
     return [k * s / total if total else 0.0 for s in sizes]
+
+
+def window_items(parts: Sequence[dict[str, torch.Tensor]]) -> float:
+    """dapo's `num_items` for each of these k micro-batches: N / (k · W), N the trained completion tokens of
+    every rank's micro-batches (summed over the data-parallel ranks, W of them, when torch.distributed is
+    initialised), so that after Lightning's division by k and DDP's average over ranks the accumulated
+    gradient is that of Σ ℓ / N over the whole global batch. Every rank must call it at the same time."""
+    tokens = torch.stack([p["mask"].sum() for p in parts]).sum().round().long()  # whole tokens, summed exactly
+    world = 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tokens)
+        world = torch.distributed.get_world_size()
+    return max(int(tokens), 1) / (len(parts) * world)
 
 
 def micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Completion], advantages: torch.Tensor,
                   k: int, pad_id: int, loss_type: str, mask_truncated: bool = False) -> list[dict[str, Any]]:
     """The rollout's N sequences in k contiguous micro-batches (sizes differ by at most one), each packed,
-    with its advantages (B,) and its accumulation `weight`."""
+    with its advantages (B,), its accumulation `weight` and, for dapo, the step's `num_items`."""
     n = len(completions)
     group_size = n // len(prompt_ids)
     if not 1 <= k <= n:
@@ -155,4 +168,8 @@ def micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Com
         parts.append(part)
     for part, weight in zip(parts, accumulation_weights(parts, loss_type)):
         part["weight"] = weight
+    if loss_type == "dapo":
+        items = window_items(parts)
+        for part in parts:
+            part["num_items"] = items
     return parts

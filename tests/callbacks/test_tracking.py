@@ -141,7 +141,7 @@ def test_samples_are_scored_by_the_objectives_reward_functions():
 
     torch.manual_seed(0)
     module = GRPO(arch=ModelConfig.from_name("debug"), tokenizer=Tokenizer.byte_level(),
-                  reward_funcs=[length_reward], reward_weights=[0.5], kl_coef=0.0)
+                  reward_funcs=[length_reward], reward_weights=[0.5], beta=0.0)
     data = GRPOData()
     rows = generate(SampleGenerations(num_prompts=3, max_new_tokens=5), module, data)
     problems = data.held_out_problems(3)

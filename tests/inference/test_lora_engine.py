@@ -140,7 +140,7 @@ def test_grpo_rollouts_follow_the_adapter_after_an_optimizer_step():
 
     tokenizer = Tokenizer.byte_level()
     torch.manual_seed(0)
-    module = GRPO(tokenizer=tokenizer, arch=ModelConfig.from_name("debug"), max_completion_length=6, kl_coef=0.05,
+    module = GRPO(tokenizer=tokenizer, arch=ModelConfig.from_name("debug"), max_completion_length=6, beta=0.05,
                   reward_funcs=[varied_reward],
                   lora={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
     questions = [p.question for p in problems(3, "train", 0)]

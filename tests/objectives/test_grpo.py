@@ -51,17 +51,18 @@ def gap(module, part, temperature=1.0):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_log_probs_equal_the_training_forward(temperature):
-    module = grpo(temperature=temperature, kl_coef=0.0)
+    module = grpo(temperature=temperature, beta=0.0)
     rollout = module.roll_out(prompt_batch(), num_micro_batches=2)
     assert sum(len(p["advantages"]) for p in rollout.micro_batches) == 3 * 4
     for part in rollout.micro_batches:
         assert part["scored"].sum() > 0
         assert gap(module, part) < 1e-4  # the engine reports log-probs before temperature
-        assert float(module._logprob_gap(part, module._logps(module.model, part))) < 1e-4
+        sampler = module._sampler_logps(part, module._logps(module.model, part))
+        assert float(module._sampling_metrics(part, sampler, None)["logprob_gap"]) < 1e-4
 
 
 def test_the_prefix_cache_is_emptied_between_rollouts_so_new_weights_are_used(monkeypatch):
-    module, batch = grpo(kl_coef=0.0), prompt_batch()
+    module, batch = grpo(beta=0.0), prompt_batch()
     module.roll_out(batch)  # caches the prompts' full pages
     with torch.no_grad():
         for p in module.model.parameters():
@@ -78,7 +79,7 @@ def test_the_prefix_cache_is_emptied_between_rollouts_so_new_weights_are_used(mo
 
 
 def test_first_pass_has_ratio_one_and_zero_kl_and_only_the_policy_gets_gradients():
-    module = grpo(num_iterations=2, kl_coef=0.1, reward_funcs=[varied])
+    module = grpo(num_iterations=2, beta=0.1, reward_funcs=[varied])
     part = module.roll_out(prompt_batch()).micro_batches[0]
     assert not part["old_logps"].requires_grad and not part["ref_logps"].requires_grad
     logps = module._logps(module.model, part)
@@ -94,7 +95,7 @@ def test_first_pass_has_ratio_one_and_zero_kl_and_only_the_policy_gets_gradients
 
 
 def test_equal_rewards_in_every_group_give_zero_advantages_and_no_policy_gradient():
-    module = grpo(reward_funcs=[constant], kl_coef=0.0)
+    module = grpo(reward_funcs=[constant], beta=0.0)
     rollout = module.roll_out(prompt_batch())
     part = rollout.micro_batches[0]
     assert rollout.metrics["frac_reward_zero_std"] == 1.0 and rollout.metrics["reward_std"] == 0.0
@@ -104,9 +105,9 @@ def test_equal_rewards_in_every_group_give_zero_advantages_and_no_policy_gradien
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in module.model.parameters())
 
 
-@pytest.mark.parametrize("loss_type", ["token", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_micro_batch_gradients_add_up_to_the_whole_rollout_batch(loss_type):
-    module = grpo(kl_coef=0.0, loss_type=loss_type, temperature=1.5, max_completion_length=8).double()
+    module = grpo(beta=0.0, loss_type=loss_type, temperature=1.5, max_completion_length=8).double()
     batch = prompt_batch(4)
     params = SamplingParams(max_tokens=8, temperature=1.5, n=4, logprobs=True, stop_token_ids=list(range(100, 200)))
     completions, _ = sample(module.rollout_engine(batch["prompt_ids"]), batch["prompt_ids"], params)
@@ -126,7 +127,7 @@ def test_micro_batch_gradients_add_up_to_the_whole_rollout_batch(loss_type):
 
 def test_fast_dev_run_on_the_synthetic_task_leaves_the_reference_untouched(tmp_path):
     data = GRPOData(synthetic=Arithmetic(train_rows=100, test_rows=10), batch_size=2, cache_dir=str(tmp_path))
-    module = grpo(num_iterations=2, kl_coef=0.05)
+    module = grpo(num_iterations=2, beta=0.05)
     reference = [p.detach().clone() for p in module.ref_model.parameters()]
     trainer(fast_dev_run=4, accumulate_grad_batches=2).fit(module, datamodule=data)
     assert len(module.reward_history) == 1  # 4 micro-steps = μ (2) · accumulation (2): one rollout
@@ -136,13 +137,13 @@ def test_fast_dev_run_on_the_synthetic_task_leaves_the_reference_untouched(tmp_p
 
 def test_a_run_without_reward_spread_warns_loudly(tmp_path):
     data = GRPOData(synthetic=Arithmetic(train_rows=100, test_rows=10), batch_size=2, cache_dir=str(tmp_path))
-    module = grpo(reward_funcs=[constant], kl_coef=0.0, zero_std_patience=2)
+    module = grpo(reward_funcs=[constant], beta=0.0, zero_std_patience=2)
     with pytest.warns(UserWarning, match="NOTHING IS BEING LEARNED"):
         trainer(max_steps=2, limit_val_batches=0).fit(module, datamodule=data)
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("group_size", 1, r"GRPO\.group_size=1: must be >= 2"),
+    ("num_generations", 1, r"GRPO\.num_generations=1: must be >= 2"),
     ("temperature", 0.0, r"GRPO\.temperature=0\.0: must be > 0"),
     ("loss_type", "sum", r"GRPO\.loss_type='sum'"),
     ("scale_rewards", "std", r"GRPO\.scale_rewards='std'"),
@@ -166,14 +167,14 @@ def one_short(prompts, completions, **kwargs):
     (one_short, r"reward function 'one_short' returned 11 rewards for 12 completions"),
 ])
 def test_a_failing_reward_function_stops_the_rollout_naming_it(fn, message):
-    module = grpo(reward_funcs=[fn], kl_coef=0.0)
+    module = grpo(reward_funcs=[fn], beta=0.0)
     with pytest.raises(RewardError, match=message):
         module.roll_out(prompt_batch())
 
 
 def test_too_few_completions_for_the_accumulation_is_an_error():
     with pytest.raises(ValueError, match="cannot fill 13 micro-batches"):
-        grpo(kl_coef=0.0).roll_out(prompt_batch(), num_micro_batches=13)
+        grpo(beta=0.0).roll_out(prompt_batch(), num_micro_batches=13)
 
 
 def test_sharding_strategies_are_refused_with_the_fix():

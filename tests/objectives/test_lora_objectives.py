@@ -89,7 +89,7 @@ def test_dpo_with_lora_starts_at_log_2_as_with_a_frozen_copy(tmp_path):
 def test_grpo_with_lora_scores_its_kl_reference_on_the_base():
     torch.manual_seed(0)
     tokenizer = Tokenizer.byte_level()
-    grpo = GRPO(arch=ModelConfig.from_name("debug"), tokenizer=tokenizer, max_completion_length=4, kl_coef=0.1,
+    grpo = GRPO(arch=ModelConfig.from_name("debug"), tokenizer=tokenizer, max_completion_length=4, beta=0.1,
                 lora=LORA)
     assert grpo.ref_model is None
     with torch.no_grad():

@@ -326,7 +326,7 @@ def test_group_advantages_hand_computed():
     torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, 1.0, -1.0]))  # population std of {0, 1} is 0.5
 
 
-@pytest.mark.parametrize("n,group_size,scale,match", [(6, 4, "group", "divisible"), (4, 1, "group", "group_size"),
+@pytest.mark.parametrize("n,group_size,scale,match", [(6, 4, "group", "divisible"), (4, 1, "group", "num_generations"),
                                                       (4, 2, "global", "scale")])
 def test_group_advantages_reject_bad_arguments(n, group_size, scale, match):
     with pytest.raises(ValueError, match=match):
@@ -364,21 +364,21 @@ def direct_grpo(logps, old, ref, adv, mask, eps, beta, loss_type):
         per_seq.append(seq / max(mask[b].sum().item(), 1))
         total += seq
         count += mask[b].sum().item()
-    if loss_type == "token":
+    if loss_type in ("dapo", "bnpo"):
         return total / count
     if loss_type == "grpo":
         return sum(per_seq) / B
     return total / (B * T)
 
 
-@pytest.mark.parametrize("loss_type", ["token", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
 def test_grpo_equals_its_formula(loss_type):
     logps, old, ref, adv, mask = rollout()
-    loss, metrics = grpo_loss(logps, old, ref, adv, mask, clip_eps=0.2, kl_coef=0.05, loss_type=loss_type)
+    loss, metrics = grpo_loss(logps, old, ref, adv, mask, epsilon=0.2, beta=0.05, loss_type=loss_type)
     assert loss.item() == pytest.approx(direct_grpo(logps, old, ref, adv, mask, 0.2, 0.05, loss_type), rel=1e-12)
     no_kl = direct_grpo(logps, old, ref, adv, mask, 0.2, 0.0, loss_type)
     assert metrics["policy_loss"].item() == pytest.approx(no_kl, rel=1e-12)
-    assert metrics["kl"].item() == pytest.approx(direct_grpo(logps, logps, ref, adv * 0, mask, 0.2, 1.0, "token"))
+    assert metrics["kl"].item() == pytest.approx(direct_grpo(logps, logps, ref, adv * 0, mask, 0.2, 1.0, "dapo"))
 
 
 def test_dr_grpo_divides_by_the_given_max_len():
@@ -391,7 +391,7 @@ def test_dr_grpo_divides_by_the_given_max_len():
 def test_first_pass_on_policy_has_unit_ratio_and_zero_kl():
     logps, _, _, adv, mask = rollout()
     for old in (logps.clone(), None):
-        loss, m = grpo_loss(logps, old, logps.clone(), adv, mask, kl_coef=0.1)
+        loss, m = grpo_loss(logps, old, logps.clone(), adv, mask, beta=0.1)
         assert m["kl"].item() == 0.0 and m["clip_ratio"].item() == 0.0
         expected = -(adv[:, None] * mask).sum() / mask.sum()  # ρ = 1: −A per token, token-averaged
         torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
@@ -402,11 +402,11 @@ def test_equal_group_rewards_make_the_policy_gradient_vanish():
     adv = group_advantages(torch.tensor([0.5, 0.5, 0.5, 0.5]), group_size=4)
     assert (adv == 0).all()
     logps.requires_grad_(True)
-    loss, _ = grpo_loss(logps, old, ref, adv, mask, kl_coef=0.0)
+    loss, _ = grpo_loss(logps, old, ref, adv, mask, beta=0.0)
     loss.backward()
     assert (logps.grad == 0).all()
     logps.grad = None
-    with_kl, _ = grpo_loss(logps, old, ref, adv, mask, kl_coef=0.1)
+    with_kl, _ = grpo_loss(logps, old, ref, adv, mask, beta=0.1)
     with_kl.backward()
     log_r = ref - logps.detach()
     torch.testing.assert_close(logps.grad, 0.1 * (1 - torch.exp(log_r)) * mask / mask.sum())  # the KL term's only
@@ -426,7 +426,7 @@ def test_clip_ratio_counts_tokens_whose_clipped_branch_wins():
     ratios = torch.tensor([[0.5, 1.0, 1.5], [0.5, 1.0, 1.5]])
     adv = torch.tensor([1.0, -1.0])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    _, m = grpo_loss(ratios.log(), old, None, adv, mask, clip_eps=0.2, kl_coef=0.0)
+    _, m = grpo_loss(ratios.log(), old, None, adv, mask, epsilon=0.2, beta=0.0)
     # clipped: ρ = 1.5 with A > 0 (row 0) and ρ = 0.5 with A < 0 (row 1); the ρ = 1.5, A < 0 token is masked
     assert m["clip_ratio"].item() == pytest.approx(2 / 5)
     assert m["kl"].item() == 0.0
@@ -435,8 +435,8 @@ def test_clip_ratio_counts_tokens_whose_clipped_branch_wins():
 def test_grpo_rejects_bad_arguments():
     logps, old, ref, adv, mask = rollout()
     with pytest.raises(ValueError, match="ref_logps"):
-        grpo_loss(logps, old, None, adv, mask, kl_coef=0.01)
-    with pytest.raises(ValueError, match="loss_type.*token.*grpo.*dr_grpo"):
+        grpo_loss(logps, old, None, adv, mask, beta=0.01)
+    with pytest.raises(ValueError, match="loss_type.*grpo.*bnpo.*dr_grpo.*dapo"):
         grpo_loss(logps, old, ref, adv, mask, loss_type="seq")
     with pytest.raises(ValueError, match="advantages"):
         grpo_loss(logps, old, ref, adv[:2], mask)

@@ -9,7 +9,7 @@ from astrai_pl.objectives import DPO, GRPO, SFT, Pretrain
 
 ARCH = ModelConfig.from_name("debug", hidden_size=32, intermediate_size=64, num_hidden_layers=1)
 SHARED = ["arch", "init_from", "tokenizer", "optimizer", "scheduler", "activation_checkpointing", "compile"]
-OWN = {Pretrain: "label_smoothing", SFT: "label_smoothing", DPO: "beta", GRPO: "group_size"}
+OWN = {Pretrain: "label_smoothing", SFT: "label_smoothing", DPO: "beta", GRPO: "num_generations"}
 
 
 @pytest.mark.parametrize("cls", OWN)
