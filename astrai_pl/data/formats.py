@@ -14,12 +14,13 @@ from .conversations import CONVERSATIONS
 from .preferences import PREFERENCES
 from .preprocess import RowFormat, Section, encode_pieces, generation_prompt
 from .prompts import PROMPTS
+from .unpaired import UNPAIRED
 
-ROW_FORMATS: dict[str, RowFormat] = {f.kind: f for f in (CONVERSATIONS, PREFERENCES, PROMPTS)}
+ROW_FORMATS: dict[str, RowFormat] = {f.kind: f for f in (CONVERSATIONS, PREFERENCES, PROMPTS, UNPAIRED)}
 
 
 def row_format(kind: str) -> RowFormat:
-    """The format of `kind` (sft, dpo, grpo); ValueError naming the kinds for any other."""
+    """The format of `kind` (sft, dpo, grpo, kto); ValueError naming the kinds for any other."""
     if kind not in ROW_FORMATS:
         raise ValueError(f"kind={kind!r}; use one of {sorted(ROW_FORMATS)}")
     return ROW_FORMATS[kind]

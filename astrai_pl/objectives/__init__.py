@@ -4,7 +4,11 @@ from .base import Objective
 from .dpo import DPO
 from .evaluation import greedy_accuracy
 from .grpo import GRPO
+from .kto import KTO
+from .orpo import ORPO
 from .pretrain import Pretrain
+from .reward import RewardModel
 from .sft import SFT
+from .simpo import SimPO
 
-__all__ = ["Objective", "Pretrain", "SFT", "DPO", "GRPO", "greedy_accuracy"]
+__all__ = ["Objective", "Pretrain", "SFT", "DPO", "GRPO", "KTO", "ORPO", "SimPO", "RewardModel", "greedy_accuracy"]

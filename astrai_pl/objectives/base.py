@@ -61,6 +61,16 @@ def reference_scope(model: nn.Module):
     return adapters_disabled(model) if getattr(model, "lora_config", None) is not None else contextlib.nullcontext()
 
 
+def check_reference_fingerprint(saved: float | None, current: float | None, init_from: str | None) -> None:
+    """CheckpointError when a checkpoint's reference fingerprint (`saved`) is not that of the reference rebuilt
+    from init_from (`current`): a resumed DPO or KTO run would train against another reference. None: unchecked."""
+    if saved is not None and current is not None and not math.isclose(saved, current, rel_tol=1e-9):
+        raise CheckpointError(
+            f"the reference rebuilt from init_from={init_from!r} is not the one this run trained against (weights "
+            f"fingerprint {current:.9g}, saved {saved:.9g}); restore the original init_from weights, or start a "
+            "new run")
+
+
 def as_lora(lora: LoraConfig | dict | None) -> LoraConfig | None:
     """A LoraConfig from itself or from its dict form (as checkpoints store it)."""
     return LoraConfig(**lora) if isinstance(lora, dict) else lora

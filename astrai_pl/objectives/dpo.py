@@ -27,7 +27,7 @@ from torch import nn
 from ..checkpoint import CheckpointError
 from ..checkpoint.loading import weights_fingerprint
 from ..model.config import ConfigError
-from .base import Objective, frozen_copy, reference_scope
+from .base import Objective, check_reference_fingerprint, frozen_copy, reference_scope
 from .logprobs import IGNORE_INDEX, sequence_logprobs, token_logprobs
 from .losses import dpo_loss
 from .options import check_dpo_options
@@ -175,12 +175,8 @@ class DPO(Objective):
                                       "precompute_ref_log_probs false")
             self.reference_logps = checkpoint["reference_logps"]
             return
-        saved = checkpoint.get("reference_fingerprint")
-        if saved is not None and self.reference_fingerprint is not None and not math.isclose(saved, self.reference_fingerprint, rel_tol=1e-9):
-            raise CheckpointError(
-                f"the reference rebuilt from init_from={self.hparams.init_from!r} is not the one this run "
-                f"trained against (weights fingerprint {self.reference_fingerprint:.9g}, saved {saved:.9g}); "
-                "restore the original init_from weights, or start a new run")
+        check_reference_fingerprint(checkpoint.get("reference_fingerprint"), self.reference_fingerprint,
+                                    self.hparams.init_from)
 
     def _log_eval_loss(self, stage: str) -> None:
         self.log(f"{stage}/loss", self.val_loss.compute(), prog_bar=True)  # a per-pair loss: no perplexity

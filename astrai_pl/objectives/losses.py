@@ -4,7 +4,8 @@ Label convention shared by every objective: `labels` are aligned with `input_ids
 token t itself, or -100 where it is not trained). The logits at position t predict token t + 1, so
 `next_token_labels(labels)` shifts them once; losses take logits and already-shifted targets.
 Per-token log-probabilities of labels under a model (`token_logprobs`) live in `logprobs.py` and are
-re-exported here; the preference and RL losses below take their outputs.
+re-exported here; the preference and RL losses below take their outputs. KTO, ORPO, SimPO and the
+reward model's Bradley–Terry loss live in `preference_losses.py` and are re-exported here too.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from .options import (
     check_grpo_loss_options,
     check_importance_sampling_options,
 )
+from .preference_losses import bradley_terry_loss, kto_loss, orpo_loss, simpo_loss
 
 __all__ = [
     "IGNORE_INDEX", "next_token_labels", "cross_entropy", "linear_cross_entropy", "logprobs_from_logits",
     "token_logprobs",
     "sequence_logprobs", "dpo_loss", "group_advantages", "grpo_loss", "rollout_importance_weights",
+    "kto_loss", "orpo_loss", "simpo_loss", "bradley_terry_loss",
 ]
 
 

@@ -100,3 +100,38 @@ def renamed_in_parse_error(message: str) -> str | None:
     """The renamed-option message for a config parser's "Option 'kl_coef' is not accepted", else None."""
     found = _NOT_ACCEPTED.search(message)
     return renamed_message(*found.groups()) if found else None
+
+
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+
+
+def check_kto_options(beta: float, desirable_weight: float, undesirable_weight: float, loss_type: str) -> None:
+    """The options of KTO and `kto_loss`."""
+    require(beta > 0, "KTO.beta", beta, "must be > 0 (the scale of the implied reward); TRL's default is 0.1")
+    require(desirable_weight > 0, "KTO.desirable_weight", desirable_weight,
+            "must be > 0 (the weight of the desirable examples' losses); 1.0 weighs both kinds alike")
+    require(undesirable_weight > 0, "KTO.undesirable_weight", undesirable_weight,
+            "must be > 0 (the weight of the undesirable examples' losses); 1.0 weighs both kinds alike")
+    require(loss_type in KTO_LOSS_TYPES, "KTO.loss_type", loss_type, f"use one of {', '.join(KTO_LOSS_TYPES)}")
+
+
+def check_orpo_options(beta: float) -> None:
+    """The option of ORPO and `orpo_loss`."""
+    require(beta > 0, "ORPO.beta", beta, "must be > 0 (λ, the weight of the odds-ratio term); TRL's default is 0.1")
+
+
+def check_simpo_options(beta: float, gamma: float, label_smoothing: float) -> None:
+    """The options of SimPO and `simpo_loss`."""
+    require(beta > 0, "SimPO.beta", beta, "must be > 0 (the scale of the length-normalised reward); the paper "
+            "uses 2.0 to 2.5, TRL's CPO default is 0.1")
+    require(gamma >= 0, "SimPO.gamma", gamma, "must be >= 0 (the target reward margin); 0 drops the margin")
+    require(0.0 <= label_smoothing < 0.5, "SimPO.label_smoothing", label_smoothing,
+            "must lie in [0, 0.5) (the probability that a pair's labels are flipped)")
+
+
+def check_reward_options(center_rewards_coefficient: float | None) -> None:
+    """The option of RewardModel and `bradley_terry_loss`."""
+    require(center_rewards_coefficient is None or center_rewards_coefficient >= 0,
+            "RewardModel.center_rewards_coefficient", center_rewards_coefficient,
+            "must be >= 0 (the weight of the mean squared summed reward of a pair), or null for none; "
+            "the paper of Eisenstein et al. (2023) uses 0.01")

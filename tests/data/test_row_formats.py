@@ -4,7 +4,7 @@ looks it up there."""
 import pytest
 from datasets import Dataset
 
-from astrai_pl.data import DPOData, GRPOData, RowsData, SFTData
+from astrai_pl.data import DPOData, GRPOData, KTOData, RowsData, SFTData
 from astrai_pl.data.conversations import conversation_segments
 from astrai_pl.data.formats import ROW_FORMATS, encode_rows, infer_sections, row_format
 from astrai_pl.data.preprocess import RowFormat, Section
@@ -24,7 +24,7 @@ def unpaired_row(question, answer, near_miss):
 
 
 UNPAIRED = RowFormat(
-    kind="kto",
+    kind="rated",
     segments=conversation_segments,
     columns=unpaired_columns,
     count=1,
@@ -37,27 +37,27 @@ UNPAIRED = RowFormat(
 
 
 def test_a_new_format_is_one_registry_entry(monkeypatch):
-    monkeypatch.setitem(ROW_FORMATS, "kto", UNPAIRED)
+    monkeypatch.setitem(ROW_FORMATS, "rated", UNPAIRED)
     tok = Tokenizer.byte_level()
-    rows = list(generate_rows("kto", 3, seed=1))
+    rows = list(generate_rows("rated", 3, seed=1))
     assert all(set(r) == {"prompt", "completion", "label"} for r in rows)
-    sections = infer_sections(rows[0], "kto")
-    assert resolve_sections(None, "kto", None)[1].eos
-    encoded = tokenize_dataset(Dataset.from_list(rows), sections, tok, kind="kto")
+    sections = infer_sections(rows[0], "rated")
+    assert resolve_sections(None, "rated", None)[1].eos
+    encoded = tokenize_dataset(Dataset.from_list(rows), sections, tok, kind="rated")
     # the row's own columns are kept (keeps_columns), the encoded ones added
     assert {"label", "input_ids", "loss_mask"} <= set(encoded.column_names)
     first = encoded[0]
     assert first["input_ids"][-1] == tok.eos_token_id and first["loss_mask"][0] == 0
-    assert encode_rows(rows[:1], sections, tok, "kto")[0]["input_ids"] == first["input_ids"]
+    assert encode_rows(rows[:1], sections, tok, "rated")[0]["input_ids"] == first["input_ids"]
 
 
 def test_every_data_module_names_a_registered_format_and_unknown_kinds_are_refused():
-    assert {cls.kind for cls in (SFTData, DPOData, GRPOData)} == set(ROW_FORMATS)
+    assert {cls.kind for cls in (SFTData, DPOData, GRPOData, KTOData)} == set(ROW_FORMATS)
     assert all(f.kind == kind for kind, f in ROW_FORMATS.items())
-    with pytest.raises(ValueError, match="kind='kto'"):
-        row_format("kto")
+    with pytest.raises(ValueError, match="kind='rated'"):
+        row_format("rated")
     with pytest.raises(ValueError, match="use one of"):
-        next(generate_rows("kto", 1))
+        next(generate_rows("rated", 1))
 
 
 def test_shared_options_are_declared_once_and_passed_by_keyword():
