@@ -4,7 +4,9 @@ A sweep file is in W&B's own format, so `wandb sweep FILE` then `wandb agent ID`
 `command` runs `astrai-pl fit --config …` and ends with `${args}`, which an agent expands to one
 `--key=value` per parameter (`--model.init_args.beta=0.1`): the parameters are dotted config keys, read by
 LightningCLI like any other override. This module builds the same commands for every point of a grid, or
-for `--count` random points, and runs them one after another, each in its own process.
+for `--count` random points, and runs them one after another, each in its own process. At the end it prints
+a table of every point: its values, whether its run succeeded, and its objective (the sweep's `metric`, the
+last value the run's CSV log holds; the best is marked).
 
     astrai-pl sweep configs/sweeps/sft-debug.yaml                      # every point of the grid
     astrai-pl sweep configs/sweeps/dpo-tiny.yaml --count 8 --seed 0    # 8 random points
@@ -16,6 +18,7 @@ Runs are grouped in W&B by the sweep file's name ($WANDB_RUN_GROUP) and named `<
 from __future__ import annotations
 
 import argparse
+import csv
 import itertools
 import math
 import os
@@ -23,6 +26,7 @@ import random
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -178,25 +182,99 @@ def check_config_files(command: list[str]) -> None:
                              "astrai-pl sweep from the repository root")
 
 
-def run_points(group: str, sweep: dict[str, Any], points: list[dict[str, Any]]) -> list[int]:
-    """Run each point's command in turn, as its own process; their exit codes."""
-    codes = []
+def run_roots(command: list[str]) -> list[Path]:
+    """Where a run of `command` writes its CSV logs: `trainer.default_root_dir` and each logger's `save_dir`,
+    from its config files and from the same keys given on the command line."""
+    roots: list[str] = []
+    for path in config_files(command):
+        trainer = (yaml.safe_load(Path(path).read_text()) or {}).get("trainer") or {}
+        loggers = trainer.get("logger")
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            if isinstance(logger, dict) and (logger.get("init_args") or {}).get("save_dir"):
+                roots.append(str(logger["init_args"]["save_dir"]))
+        if trainer.get("default_root_dir"):
+            roots.append(str(trainer["default_root_dir"]))
+    keys = ("--trainer.default_root_dir", "--trainer.logger.init_args.save_dir")
+    for word, following in zip(command, [*command[1:], ""]):
+        key, eq, value = word.partition("=")
+        if key in keys:
+            roots.append(value if eq else following)
+    return list(dict.fromkeys(Path(r) for r in roots))
+
+
+def objective(roots: list[Path], name: str, since: float) -> float | None:
+    """The last value of metric `name` in the newest metrics.csv (a CSVLogger's) written under `roots` since
+    `since` (time.time()): what W&B's summary, and so its sweep, takes as the run's value."""
+    logs = [f for root in roots if root.is_dir() for f in root.rglob("metrics.csv") if f.stat().st_mtime >= since]
+    if not logs:
+        return None
+    with max(logs, key=lambda f: f.stat().st_mtime).open(newline="") as f:
+        values = [row[name] for row in csv.DictReader(f) if row.get(name)]
+    return float(values[-1]) if values else None
+
+
+def run_points(group: str, sweep: dict[str, Any], points: list[dict[str, Any]]) -> list[tuple[int, float | None]]:
+    """Run each point's command in turn, as its own process; the exit code and objective of each."""
+    outcomes = []
+    name = (sweep.get("metric") or {}).get("name")
     for n, point in enumerate(points, 1):
         command = trial_command(sweep, point)
         print(f"== {group} {n}/{len(points)}: {shlex.join(command)}", flush=True)
         env = {**os.environ, "WANDB_RUN_GROUP": os.environ.get("WANDB_RUN_GROUP", group),
                "WANDB_NAME": f"{group}-{n}"}
-        codes.append(subprocess.run(command, env=env).returncode)
-    return codes
+        since = time.time() - 1  # file times are coarser than the clock on some file systems
+        code = subprocess.run(command, env=env).returncode
+        outcomes.append((code, objective(run_roots(command), name, since) if name else None))
+    return outcomes
 
 
-def report(points: list[dict[str, Any]], codes: list[int], metric: dict[str, str] | None) -> None:
-    """One line per run, where to compare them, and a failing exit when any run failed."""
-    for n, (point, code) in enumerate(zip(points, codes), 1):
-        print(f"{n}: {'ok' if code == 0 else f'failed ({code})'}  {point}")
-    if metric:
-        print(f"compare the runs on {metric.get('name')} ({metric.get('goal', 'minimize')}) in W&B; offline "
-              "runs upload with `wandb sync <default_root_dir>/wandb/offline-run-*`")
+def text_table(header: list[str], rows: list[list[Any]]) -> str:
+    """Rows as an aligned plain-text table under `header`: floats to 4 significant digits, other values as
+    `str` writes them; a column of numbers (blanks and n/a aside) to the right, others to the left. The
+    demo prints its tables with it too."""
+    cells = [[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    numeric = [bool(cells) and all(is_number(r[i]) or r[i] in ("", "n/a") for r in cells) for i in range(len(header))]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if right else v.ljust(w) for v, w, right in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line(list(map(str, header))), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def short_name(parameter: str) -> str:
+    """A parameter's dotted key without its `init_args` parts: model.optimizer.lr."""
+    return ".".join(part for part in parameter.split(".") if part != "init_args")
+
+
+def report(points: list[dict[str, Any]], outcomes: list[tuple[int, float | None]],
+           metric: dict[str, str] | None) -> None:
+    """A table of each run's values, status and objective (the best marked), and a failing exit when any
+    run failed."""
+    names = list(points[0]) if points else []
+    name, goal = (metric or {}).get("name"), (metric or {}).get("goal", "minimize")
+    scored = [v for code, v in outcomes if code == 0 and v is not None]
+    best = (max if goal == "maximize" else min)(scored) if scored else None
+    header = ["run", *map(short_name, names), "status"] + ([f"{name} ({goal})", "best"] if name else [])
+    rows = []
+    for n, (point, (code, value)) in enumerate(zip(points, outcomes), 1):
+        row = [n, *(str(point[k]) for k in names), "ok" if code == 0 else f"failed ({code})"]
+        if name:
+            row += ["n/a" if value is None else value, "*" if code == 0 and value is not None and value == best else ""]
+        rows.append(row)
+    print(text_table(header, rows))
+    if name:
+        print(f"{name}: its last logged value in each run's CSV log (n/a: none found); the runs are in W&B too; "
+              "offline runs upload with `wandb sync <default_root_dir>/version_*/wandb/offline-run-*`")
+    codes = [code for code, _ in outcomes]
     if any(codes):
         raise SystemExit(f"astrai-pl sweep: {sum(c != 0 for c in codes)} of {len(codes)} runs failed")
 
@@ -220,5 +298,5 @@ def sweep_verb(argv: list[str]) -> None:
     if ns.dry_run:
         print("\n".join(shlex.join(trial_command(sweep, p)) for p in points))
         return
-    codes = run_points(Path(ns.file).stem, sweep, points)
-    report(points, codes, sweep.get("metric"))
+    outcomes = run_points(Path(ns.file).stem, sweep, points)
+    report(points, outcomes, sweep.get("metric"))
