@@ -25,6 +25,7 @@ from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from .callbacks.metrics import NonFiniteLossError
+from .callbacks.resume import place_outputs
 from .callbacks.safety import SafetyConfig, as_list, safety_callbacks, safety_plugins
 from .callbacks.tracking import (
     WandbConfig,
@@ -36,6 +37,7 @@ from .callbacks.tracking import (
 )
 from .checkpoint import CheckpointError
 from .checkpoint.archive import checkpoint_error_in, prepare_resume_from_last, verify_archive
+from .checkpoint.runs import RUN_DIR_ENV, resolve_latest
 from .commands import USER_ERRORS, CommandError, chat_verb, generate_verb, load_adapted
 from .data.rows import DataError
 from .model.config import ConfigError
@@ -86,10 +88,16 @@ class AstraiCLI(LightningCLI):
         kwargs["plugins"] = safety_plugins(safety, as_list(trainer.get("plugins")))
         settings = self._get(self.config_init, "wandb")
         if settings.enabled:
-            root = trainer.get("default_root_dir") or os.getcwd()
+            root = self.run_dir or trainer.get("default_root_dir") or os.getcwd()
             kwargs["logger"] = with_wandb(trainer.get("logger"), wandb_logger(settings, root))
             kwargs["callbacks"] += tracking_callbacks(settings, root)
         return super().instantiate_trainer(**kwargs)
+
+    def before_instantiate_classes(self) -> None:
+        """Each run in a directory of its own, `default_root_dir/version_N`, for what the config leaves unplaced
+        (callbacks/resume.py place_outputs; which version a resumed run takes: checkpoint/runs.py)."""
+        ckpt_path = self._get(self.config, "ckpt_path") if self.subcommand else None
+        self.run_dir = place_outputs(self._get(self.config, "trainer"), self.subcommand, ckpt_path)
 
     def before_fit(self) -> None:
         """`--ckpt_path last`: put back what a cut-off checkpoint replace left; refuse a restart from step 0
@@ -103,6 +111,8 @@ class AstraiCLI(LightningCLI):
         of every member) and its weights are restored later by the trainer, as with `--ckpt_path last`."""
         subcommand = self.config.get("subcommand")
         path = subcommand and self.config[subcommand].get("ckpt_path")
+        if path and path != "last":  # a `latest` pointer file in the path names its run directory
+            path = self.config[subcommand].ckpt_path = resolve_latest(path)
         if path and Path(path).is_file():
             verify_archive(Path(path))
 
@@ -110,7 +120,7 @@ class AstraiCLI(LightningCLI):
 def lightning_main(args: list[str] | None = None, run: bool = True) -> AstraiCLI:
     """`astrai-pl fit|validate|test` on `args` (None: the command line); run=False builds the objective, the
     data module and the trainer and returns them unrun (`cli.trainer.fit(cli.model, datamodule=cli.datamodule)`)."""
-    command_line = sys.argv
+    command_line, run_dir = sys.argv, os.environ.get(RUN_DIR_ENV)
     if args is not None:  # `args` replace the command line, such as a notebook kernel's own arguments
         sys.argv = command_line[:1]
     try:
@@ -126,6 +136,8 @@ def lightning_main(args: list[str] | None = None, run: bool = True) -> AstraiCLI
         raise cause from None
     finally:
         sys.argv = command_line
+        if run_dir is None:  # the run's directory was chosen here: the next run in this process chooses anew
+            os.environ.pop(RUN_DIR_ENV, None)
 
 
 # -- our own verbs -----------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 
 from .atomic import write_atomically
 from .checkpoint import CheckpointError, is_sharded_checkpoint, load_transformer
+from .checkpoint.runs import resolve_latest
 from .inference import CapacityError, Engine, InferenceError, SamplingParams, SamplingParamsError, Session
 from .jsonl import UTF8_FIX, NotUtf8, UnreadableJson, decode_utf8, parse_json
 from .model import Transformer
@@ -102,6 +103,7 @@ def default_tokenizer(model_path: str | Path, adapter: str | Path | None = None)
 def load_adapted(model_path: str | Path, adapter: str | Path | None, option: str = "--model") -> Transformer:
     """The model at `model_path` (HF directory or checkpoint) with the PEFT adapter directory `adapter` on it;
     a LoRA run's checkpoint comes with its own adapter. The adapter is kept apart (`model.lora_config`)."""
+    model_path = resolve_latest(model_path)  # runs/x/latest/…: a pointer file names its run directory
     if is_adapter_dir(model_path):
         raise CommandError(f"{option} {model_path} is a PEFT adapter directory, not a model; pass its base model "
                            f"as {option} and this directory as --adapter")

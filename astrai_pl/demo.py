@@ -17,9 +17,9 @@ checkpoint the stage before it wrote:
 Every stage checks its own claim and stops the demo with a message when it does not hold.
 
     python -m astrai_pl.demo                                                       # every stage
-    python -m astrai_pl.demo --pretrained runs/pretrain-tiny/checkpoints/last.ckpt  # from stage 2
-    python -m astrai_pl.demo --sft runs/sft-tiny/checkpoints/last.ckpt              # from stage 3
-    python -m astrai_pl.demo --dpo runs/dpo-tiny/checkpoints/last.ckpt              # from stage 4
+    python -m astrai_pl.demo --pretrained runs/pretrain-tiny/latest/checkpoints/last.ckpt  # from stage 2
+    python -m astrai_pl.demo --sft runs/sft-tiny/latest/checkpoints/last.ckpt              # from stage 3
+    python -m astrai_pl.demo --dpo runs/dpo-tiny/latest/checkpoints/last.ckpt              # from stage 4
 """
 
 from __future__ import annotations

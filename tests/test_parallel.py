@@ -290,4 +290,5 @@ def test_the_documented_fsdp2_command_runs(tmp_path):
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "max_steps=8" in result.stdout + result.stderr
-    assert (tmp_path / "runs/pretrain-debug/checkpoints/last.ckpt/meta.pt").is_file()  # sharded by default
+    assert (tmp_path / "runs/pretrain-debug/version_0/checkpoints/last.ckpt/meta.pt").is_file()  # sharded by default
+    assert not (tmp_path / "runs/pretrain-debug/version_1").exists()  # the launched rank shares rank 0's directory

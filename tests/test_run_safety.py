@@ -225,7 +225,7 @@ def _stage_inputs(config: Path, folder: Path) -> tuple[str, ...]:
 
 def _kill_during_the_second_save_then_resume(config: Path, folder: Path, *overrides: str) -> None:
     cfg = yaml.safe_load(config.read_text())
-    ckpt_dir = folder / cfg["trainer"]["callbacks"][0]["init_args"]["dirpath"]
+    ckpt_dir = folder / cfg["trainer"]["default_root_dir"] / "version_0" / "checkpoints"  # resumed there too
     every = cfg["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"]
     args = ("--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0", *overrides,
             *_stage_inputs(config, folder))
@@ -272,13 +272,14 @@ def test_a_shipped_tiny_config_killed_while_saving_resumes_from_the_save_before(
     _kill_during_the_second_save_then_resume(ROOT / "configs" / stage / "tiny.yaml", tmp_path, *TINY_RUNS[stage])
 
 
-def test_lr_1e6_on_a_shipped_config_never_writes_a_nan_checkpoint(tmp_path):
+def test_lr_1e6_on_a_shipped_config_never_writes_a_nan_checkpoint(tmp_path, monkeypatch):
     config = ROOT / "configs/pretrain/debug.yaml"
-    ckpt_dir = tmp_path / "runs/pretrain-debug/checkpoints"
+    ckpt_dir = tmp_path / "runs/pretrain-debug/version_0/checkpoints"
     args = ("--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
             *_stage_inputs(config, tmp_path))
     finish(launch_in(tmp_path, config, *args, "--trainer.max_steps", "4"), folder=tmp_path)  # last.ckpt at step 4
     before = (ckpt_dir / "last.ckpt").read_bytes()
+    monkeypatch.setenv("ASTRAI_RUN_DIR", str(ckpt_dir.parent))  # a new run from step 0 in the same run directory
     proc = launch_in(tmp_path, config, *args, "--model.init_args.optimizer.init_args.lr", "1e6",
                      "--trainer.max_steps", "40")  # a new run from step 0 with the same checkpoint folder
     proc.wait(timeout=300)

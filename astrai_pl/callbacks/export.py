@@ -47,7 +47,8 @@ class HFExport(L.Callback):
     when training ends.
 
     Args:
-        dirpath: Folder that receives the exports.
+        dirpath: Folder that receives the exports; None: `hf/` in the run's directory (the trainer's log_dir,
+            `default_root_dir/version_N` under astrai-pl fit).
         every_n_train_steps: Interval in optimizer steps; None exports only at the end.
         keep_last: How many `step-*` exports to keep (older ones are deleted); None keeps all.
         at_end: Export `final` when fit ends (also after a clean stop on SIGTERM).
@@ -55,7 +56,7 @@ class HFExport(L.Callback):
 
     def __init__(
         self,
-        dirpath: str = "runs/hf",
+        dirpath: str | None = None,
         every_n_train_steps: int | None = None,
         keep_last: int | None = None,
         at_end: bool = True,
@@ -64,7 +65,7 @@ class HFExport(L.Callback):
             if value is not None and value < 1:
                 raise ValueError(f"HFExport.{name}={value}: must be >= 1, or None")
         self.dirpath, self.every, self.keep_last, self.at_end = (
-            Path(dirpath),
+            None if dirpath is None else Path(dirpath),
             every_n_train_steps,
             keep_last,
             at_end,
@@ -75,6 +76,8 @@ class HFExport(L.Callback):
         self._step_seen = trainer.global_step  # exports happen when an optimizer step completes
 
     def export(self, trainer: L.Trainer, pl_module: L.LightningModule, name: str) -> Path:
+        if self.dirpath is None:
+            self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "hf"
         path = self.dirpath / name
         export_pretrained(
             pl_module.model, path, getattr(pl_module, "tokenizer", None), trainer.is_global_zero

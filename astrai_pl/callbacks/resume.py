@@ -5,10 +5,14 @@ in every checkpoint.
 micro-batch, possibly in the middle of a gradient-accumulation window, and save nothing. Here the signal
 only sets a flag; at the next optimizer-step boundary every rank agrees to stop, `last.ckpt` is written in
 the ModelCheckpoint folder and the trainer stops, so `--ckpt_path last` continues from that step.
+
+`place_outputs` puts a run's files in its run directory (checkpoint/runs.py), which is how `--ckpt_path last`
+finds the checkpoint of the run it continues.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
 import signal
 import threading
@@ -21,6 +25,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
+from ..checkpoint.runs import shared_run_dir
+from .export import HFExport
+
+CSV_LOGGER = "lightning.pytorch.loggers.CSVLogger"
+
 
 def last_checkpoint_path(trainer: L.Trainer) -> Path:
     """Where `--ckpt_path last` looks: `last.ckpt` in the ModelCheckpoint folder (or default_root_dir/checkpoints)."""
@@ -28,6 +37,39 @@ def last_checkpoint_path(trainer: L.Trainer) -> Path:
     if isinstance(callback, ModelCheckpoint) and callback.dirpath:
         return Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
     return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+
+
+def _class_of(entry: Any) -> type | None:
+    """The class a config entry (`class_path` + `init_args`) names; jsonargparse has imported it already."""
+    path = entry.get("class_path") if hasattr(entry, "get") else None
+    if not isinstance(path, str) or "." not in path:
+        return None
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name, None)
+
+
+def place_outputs(trainer: Any, subcommand: str | None, ckpt_path: str | None) -> Path | None:
+    """Put the outputs a trainer config leaves unplaced in this run's directory, `default_root_dir/version_N`:
+    `logger: true` becomes a CSVLogger writing metrics.csv there, a ModelCheckpoint's `dirpath: null` its
+    checkpoints/, an HFExport's `dirpath: null` its hf/. Paths a config names are used as written (and shared
+    by every run that names them). Returns the run directory, or None when nothing was placed (no directory
+    is made)."""
+    callbacks = [c for c in (trainer.get("callbacks") or []) if _class_of(c) is not None]
+    unplaced = [c for c in callbacks if issubclass(_class_of(c), (ModelCheckpoint, HFExport))
+                and c.get("init_args") is not None and c.init_args.get("dirpath") is None]
+    if trainer.get("logger") is not True and not unplaced:
+        return None
+    root = Path(trainer.get("default_root_dir") or ".")
+    run_dir = shared_run_dir(root, subcommand, ckpt_path)
+    rank_zero_info(f"run directory: {run_dir} (metrics, checkpoints, exports; {root / 'latest'} names the "
+                   "newest run)")
+    if trainer.get("logger") is True:
+        trainer.logger = type(trainer)(class_path=CSV_LOGGER, init_args=type(trainer)(
+            save_dir=str(run_dir.parent), name="", version=run_dir.name, prefix="", flush_logs_every_n_steps=100))
+    for entry in unplaced:
+        folder = "hf" if issubclass(_class_of(entry), HFExport) else "checkpoints"
+        entry.init_args.dirpath = str(run_dir / folder)
+    return run_dir
 
 
 class StopOnSignal(L.Callback):

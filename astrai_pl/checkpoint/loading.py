@@ -15,6 +15,7 @@ from ..model.hf import CheckpointError, NonFiniteWeightError, export_dir, nonfin
 from ..model.lora import apply_lora, merge_lora
 from ..model.nf4 import quantize_base
 from .archive import interrupted_copy, is_sharded_checkpoint, read_checkpoint
+from .runs import resolve_latest
 
 
 def as_config(arch: ModelConfig | dict | None) -> ModelConfig:
@@ -35,6 +36,7 @@ def load_transformer(arch: ModelConfig | dict | None, init_from: str | None, qua
     with its adapter over its base as that run trained it, for the caller to merge before quantising."""
     if init_from is None:
         return _quantized(Transformer(as_config(arch)), quantize)
+    init_from = resolve_latest(init_from)  # runs/x/latest/…: a pointer file names its run directory
     path, folder = Path(init_from), export_dir(init_from)  # or the complete export a cut-off replace left
     if folder.is_dir() and not is_sharded_checkpoint(folder):
         return Transformer.from_pretrained(folder, quantize=quantize)

@@ -61,7 +61,7 @@ def no_credentials(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_offline_run_holds_config_metrics_samples_and_model(tmp_path, monkeypatch, no_credentials):
-    monkeypatch.chdir(tmp_path)  # the config writes under runs/sft-debug/
+    monkeypatch.chdir(tmp_path)  # the config writes under runs/sft-debug/version_0/
     cli = lightning_main(["--config", str(SFT_DEBUG), "--wandb.enabled", "true", "--wandb.log_model", "true",
                           "--trainer.enable_progress_bar", "false"], run=False)
     assert [type(lg) for lg in cli.trainer.loggers] == [CSVLogger, WandbLogger]  # log_dir stays the CSV one
@@ -70,7 +70,7 @@ def test_offline_run_holds_config_metrics_samples_and_model(tmp_path, monkeypatc
     lightning_main(["--config", str(SFT_DEBUG), "--wandb.enabled", "true"], run=False)
     assert wandb.run is None
 
-    (run_dir,) = (tmp_path / "runs" / "sft-debug" / "wandb").glob("offline-run-*")
+    (run_dir,) = (tmp_path / "runs" / "sft-debug" / "version_0" / "wandb").glob("offline-run-*")
     resolved = yaml.safe_load((run_dir / "files" / "resolved-config.yaml").read_text())
     assert resolved["model"]["class_path"] == "astrai_pl.objectives.SFT" and resolved["wandb"]["enabled"]
     (log,) = run_dir.glob("run-*.wandb")
@@ -91,7 +91,7 @@ def test_offline_run_holds_config_metrics_samples_and_model(tmp_path, monkeypatc
     assert all(row[1].startswith("What is ") and row[3] in (0.0, 1.0) for row in samples)
     artifacts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
     assert [a.name for a in artifacts if a.type == "model"] == [f"model-{log.stem.removeprefix('run-')}"]
-    assert (tmp_path / "runs" / "sft-debug" / "hf" / "final" / "config.json").is_file()
+    assert (tmp_path / "runs" / "sft-debug" / "version_0" / "hf" / "final" / "config.json").is_file()
 
 
 def test_switched_off_there_is_no_wandb(tmp_path, monkeypatch):

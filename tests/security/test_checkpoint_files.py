@@ -303,7 +303,7 @@ def _fit(*args: str):
 
 def test_last_with_checkpoints_but_no_last_one_is_an_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    folder = tmp_path / "runs/pretrain-debug/checkpoints"
+    folder = tmp_path / "runs/pretrain-debug/version_0/checkpoints"
     AtomicCheckpointIO().save_checkpoint({"state_dict": {}}, folder / "epoch=0-step=4.ckpt")
     with pytest.raises(CheckpointError, match=r"ckpt_path='last': .* holds no last checkpoint but holds "
                                               r"epoch=0-step=4\.ckpt.*Fix: resume from one of them"):
@@ -320,7 +320,7 @@ def test_last_after_a_kill_between_the_renames_resumes_from_the_complete_copy(tm
     monkeypatch.chdir(tmp_path)
     sharded = ("--trainer.strategy", "fsdp2", "--trainer.devices", "1")
     _fit(*sharded, "--trainer.max_steps", "4")
-    folder = tmp_path / "runs/pretrain-debug/checkpoints"
+    folder = tmp_path / "runs/pretrain-debug/version_0/checkpoints"
     os.replace(folder / "last.ckpt", folder / ".last.ckpt.old")  # the state a kill between the renames leaves
     cli = _fit(*sharded, "--ckpt_path", "last", "--trainer.max_steps", "5")
     assert cli.trainer.ckpt_path == str(folder / "last.ckpt")  # resumed at step 4, not restarted at step 0
