@@ -359,8 +359,31 @@ class Tokenizer:
             ) from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json that transformers loads."""
+    def _template_writes_bos(self) -> bool:
+        """Whether the chat template's text starts with the BOS token (True when no probe conversation renders:
+        such a template is left as it is)."""
+        user = {"role": "user", "content": "hi"}
+        for messages in ([user], [{"role": "system", "content": "hi"}, user]):
+            try:
+                text = self.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except (ChatTemplateError, TypeError, KeyError, IndexError):
+                continue
+            return text.startswith(self.bos_token)
+        return True
+
+    def exported_chat_template(self) -> str | None:
+        """The chat template a model export saves: led by `{{ bos_token }}` when the tokenizer has a BOS that the
+        template does not write. Every row trained here starts with BOS (data/preprocess.py) and `generate` and
+        `serve` put it before the templated ids (commands.bos_first), while transformers' and vLLM's
+        apply_chat_template take the rendered text as the whole prompt; with the BOS in the template they give
+        the model the ids it was trained on, and our own reading of the folder gives the same ids as before."""
+        if self.chat_template is None or self.bos_token is None or self._template_writes_bos():
+            return self.chat_template
+        return "{{ bos_token }}" + self.chat_template
+
+    def save_pretrained(self, path: str | os.PathLike, bos_in_template: bool = False) -> None:
+        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json that transformers loads;
+        `bos_in_template` saves `exported_chat_template()` (what a model export writes) instead of the template."""
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         config: dict[str, Any] = {
@@ -369,8 +392,9 @@ class Tokenizer:
             "clean_up_tokenization_spaces": False,
             **self.special_tokens,
         }
-        if self.chat_template is not None:
-            config["chat_template"] = self.chat_template
+        template = self.exported_chat_template() if bos_in_template else self.chat_template
+        if template is not None:
+            config["chat_template"] = template
         _write_atomic(folder / "tokenizer.json", self.backend.to_str(pretty=True))
         _write_atomic(folder / "tokenizer_config.json", config)
         _write_atomic(folder / "special_tokens_map.json", self.special_tokens)

@@ -350,6 +350,16 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = N
         raise
 
 
+def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """The tokenizer's files; ours with its BOS in the chat template (Tokenizer.exported_chat_template), so that
+    transformers and vLLM template a prompt into the ids our engine gives the model. Any other tokenizer object
+    (e.g. a transformers one) is saved as it saves itself."""
+    if hasattr(tokenizer, "exported_chat_template"):
+        tokenizer.save_pretrained(str(folder), bos_in_template=True)
+    else:
+        tokenizer.save_pretrained(str(folder))
+
+
 def _write_files(work: Path, target: Path, tensors: list[tuple[str, torch.Tensor]], tokenizer: Any,
                  cfg: ModelConfig, max_shard_size: int) -> None:
     """Everything of an export into `work`, config.json last (its presence marks the folder complete)."""
@@ -357,7 +367,7 @@ def _write_files(work: Path, target: Path, tensors: list[tuple[str, torch.Tensor
     end_ids = list(getattr(tokenizer, "eos_token_ids", None) or [])
     _write_json(work / "generation_config.json", generation_config(cfg, end_ids))
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(work))
+        _save_tokenizer(tokenizer, work)
     if target.is_dir():
         _carry_over(target, work)
     dtype = str(tensors[0][1].dtype).removeprefix("torch.")
