@@ -9,11 +9,17 @@ headers so that only warnings in our files count. Then every launcher the bindin
 by one of the kernel objects (nm), so a signature that drifted between launchers.h and a .cu fails here
 rather than at import on a GPU machine. One line per step; exit status 1 when any step fails or a tool
 is missing.
+
+A step that passed is not compiled again: its object file is kept in `ASTRAI_CACHE_DIR` (default
+`~/.cache/astrai_pl`, as the CPU kernels) under `cuda-check/`, named by a hash of its command, its source, every
+header in cuda/ and the compiler's version, so only a changed source, header, flag or toolkit rebuilds (a
+failed step is never kept). `--no-cache` compiles everything.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shlex
@@ -27,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .build import EXTENSION_NAME, cuda_dir
+from .cpu import _cache_dir
 
 ARCHS = ("80", "90")
 
@@ -61,6 +68,45 @@ def run(command: list[str]) -> tuple[bool, float, str]:
     return done.returncode == 0, time.perf_counter() - start, (done.stdout + done.stderr).strip()
 
 
+def tool_version(tool: str) -> str:
+    """The first lines of `tool --version` (part of every cache key: a new toolkit rebuilds everything)."""
+    done = subprocess.run([tool, "--version"], capture_output=True, text=True, errors="replace", timeout=60)
+    return done.stdout.strip()
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def step_key(command: list[str], source: Path, output: Path, version: str) -> str:
+    """The hash that names a step's cached object: its command (the temporary output path left out), the
+    source, every header beside it and the compiler's version."""
+    digest = hashlib.sha256()
+    for part in (*(arg for arg in command if arg != str(output)), version):
+        digest.update(part.encode() + b"\0")
+    for file in [source, *sorted(p for p in source.parent.iterdir() if p.suffix in (".h", ".cuh", ".hpp"))]:
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()[:24]
+
+
+def run_cached(command: list[str], output: Path, key: str | None) -> tuple[bool, float, str]:
+    """`run(command)`, unless the object of a passed step with this key is cached: then it is copied to
+    `output` (the link check reads it) and the step takes no time. A passed step's object is cached."""
+    cached = None if key is None else _cache_dir() / "cuda-check" / f"{key}.o"
+    if cached is not None and cached.is_file():
+        shutil.copyfile(cached, output)
+        return True, 0.0, "(cached)"
+    ok, seconds, text = run(command)
+    if ok and cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f".{cached.name}.{os.getpid()}")
+        shutil.copyfile(output, partial)
+        os.replace(partial, cached)  # atomic: a concurrent check never reads half an object
+    return ok, seconds, text
+
+
 _NM_LINE = re.compile(r"^\s*(?:[0-9a-fA-F]+\s+)?[A-Za-z]\s+(astrai::.*)$", re.MULTILINE)
 
 
@@ -86,10 +132,11 @@ def report(results: dict, jobs: dict, binding: Path, folder: Path, verbose: bool
     failed = 0
     for src, (ok, seconds, output) in results.items():
         what = "c++ against torch headers" if src == binding else "nvcc " + " ".join(f"sm_{a}" for a in ARCHS)
-        print(f"{'ok  ' if ok else 'FAIL'} {src.relative_to(folder.parent)}  ({what}, {seconds:.1f} s)")
+        took = "cached" if output == "(cached)" else f"{seconds:.1f} s"
+        print(f"{'ok  ' if ok else 'FAIL'} {src.relative_to(folder.parent)}  ({what}, {took})")
         if verbose:
             print("     " + shlex.join(jobs[src]))
-        if output and (not ok or verbose):
+        if output and output != "(cached)" and (not ok or verbose):
             print("\n".join("     " + line for line in output.splitlines()))
         failed += not ok
     return failed
@@ -97,7 +144,9 @@ def report(results: dict, jobs: dict, binding: Path, folder: Path, verbose: bool
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--verbose", action="store_true", help="print the commands and ptxas resource usage")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the commands and ptxas resource usage (compiles everything: nothing cached)")
+    parser.add_argument("--no-cache", action="store_true", help="compile every step, even one that passed before")
     args = parser.parse_args(argv)
     folder = cuda_dir()
     nvcc = shutil.which("nvcc")
@@ -111,8 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         objects = {src: Path(tmp) / f"{src.name}.o" for src in [*kernels, binding]}
         jobs = {src: nvcc_command(src, nvcc, objects[src], args.verbose) for src in kernels}
         jobs[binding] = binding_command(binding, cxx, objects[binding])
+        # torch's headers are the binding's input too: its version joins the host compiler's
+        versions = {nvcc: tool_version(nvcc), cxx: f"{tool_version(cxx)} torch {torch_version()}"}
+        keys = [None if args.no_cache or args.verbose else step_key(job, src, objects[src], versions[job[0]])
+                for src, job in jobs.items()]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            results = dict(zip(jobs, pool.map(run, jobs.values())))
+            results = dict(zip(jobs, pool.map(run_cached, jobs.values(), [objects[s] for s in jobs], keys)))
         failed = report(results, jobs, binding, folder, args.verbose)
         if not failed:
             ok, message = check_link(objects[binding], [objects[src] for src in kernels])
