@@ -32,6 +32,7 @@ BENCHES = {  # name: (script, arguments); in the order they run
     "lora-memory": ("bench_lora_memory.py", []),
     "lora-dpo-memory": ("bench_lora_dpo_memory.py", []),
     "eval": ("bench_eval.py", []),
+    "rwkv": ("bench_rwkv.py", []),
     "serve": ("bench_serve.py", ["--repeats", "3", "--budget", "60"]),
 }
 DOC = ROOT / "docs" / "benchmarks.md"
