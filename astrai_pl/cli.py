@@ -46,12 +46,14 @@ from .objectives import Objective
 from .objectives.options import renamed_in_parse_error
 from .sweep import sweep_verb
 from .tokenizer import load_tokenizer
+from .warning_filters import install as install_warning_filters
 
 LIGHTNING_VERBS = {"fit", "validate", "test", "predict"}
 
 # Field docstrings (`"""..."""` under each dataclass attribute) become --help text and
 # `--print_config=comments` comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
+install_warning_filters()  # third-party messages that say nothing about the run (warning_filters.py)
 
 
 class SaveConfig(SaveConfigCallback):
@@ -79,8 +81,8 @@ class AstraiCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # The tokenizer is declared once, on the data module; the objective receives the same object.
         parser.link_arguments("data.tokenizer", "model.init_args.tokenizer", apply_on="instantiate")
-        parser.add_dataclass_arguments(WandbConfig, "wandb")
-        parser.add_dataclass_arguments(SafetyConfig, "safety")
+        parser.add_class_arguments(WandbConfig, "wandb")
+        parser.add_class_arguments(SafetyConfig, "safety")
 
     def instantiate_trainer(self, **kwargs):
         trainer, safety = self._get(self.config_init, "trainer"), self._get(self.config_init, "safety")

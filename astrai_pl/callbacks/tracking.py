@@ -93,8 +93,10 @@ def wandb_logger(config: WandbConfig, save_dir: str | Path) -> WandbLogger:
         rank_zero_info(f"W&B: no API key found, logging offline under {save_dir}/wandb "
                        "(`wandb sync` uploads it; `wandb login` or WANDB_API_KEY logs online)")
     Path(save_dir).mkdir(parents=True, exist_ok=True)
-    return WandbLogger(name=config.name, save_dir=str(save_dir), project=config.project,
-                       entity=config.entity, tags=list(config.tags), offline=offline)
+    logger = WandbLogger(name=config.name, save_dir=str(save_dir), project=config.project,
+                         entity=config.entity, tags=list(config.tags), offline=offline)
+    logger._wandb_init.pop("anonymous", None)  # Lightning passes anonymous=None, which wandb warns has no effect
+    return logger
 
 
 _started_runs: list[str] = []  # ids of the W&B runs our loggers started in this process
