@@ -15,8 +15,8 @@ K/V came from a session file are never cached), the rest is freed, and it rejoin
 front to be recomputed.
 
 LongRoPE models (Phi-3) rotate every key of a sequence longer than the original length by the long factors,
-so a request whose prompt fit that length is preempted once, at its first step past it, and recomputed whole,
-as transformers' generate does.
+so a request whose keys were computed within that length is preempted once, at its first step past it, and
+recomputed whole, as transformers' generate does; a session's turn that passes it starts from scratch.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Scheduler:
         budget, preemptions = self.max_step_tokens, self.preemptions
         for req in list(self.running):  # decodes, oldest first
             if req in self.running and req.remaining <= 1:
-                if self._crosses_long_rope(req):
+                if self._holds_short_keys(req):
                     self.preempt(req)
                     preemptions += 1  # not for memory: admission goes on, this request first
                     continue
@@ -93,13 +93,16 @@ class Scheduler:
             self._admit(plan, budget)
         return plan
 
-    def _crosses_long_rope(self, req: Request) -> bool:
-        """Whether `req` now passes the original length of a longrope model with keys computed within it."""
+    def _holds_short_keys(self, req: Request) -> bool:
+        """Whether `req` passes the original length of a longrope model with keys computed within it (by its own
+        steps, or a session's earlier turns): those must be computed again with the long factors."""
         after = self.long_rope_after
-        if after is None or req in self._rotated_long or len(req.tokens) <= after or req.num_prompt > after:
+        if after is None or req in self._rotated_long or len(req.tokens) <= after:
             return False
-        self._rotated_long.add(req)
-        return req.num_computed > 0
+        if req.num_computed == 0:  # computed whole from here, every key with the long factors
+            self._rotated_long.add(req)
+            return False
+        return True
 
     # -- memory for running requests ----------------------------------------------------------------------
     def _grow(self, req: Request, n: int, plan: list[tuple[Request, int]]) -> int:
@@ -130,12 +133,16 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Free a running request's memory and put it back at the head of the queue, to be recomputed."""
         self.running.remove(req)
+        self._forget_computed(req)
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+
+    def _forget_computed(self, req: Request) -> None:
+        """Free a request's memory; the engine computes all its tokens again."""
         self.release(req)
         req.num_computed = req.table_len = 0
         req.ready_logits = None
         req.prompt_cached = req.kv_from_file = False  # recomputed by the engine from here on
-        self.waiting.appendleft(req)
-        self.preemptions += 1
 
     def add_fork(self, parent: Request, clone: Request) -> bool:
         """Run `clone` on a copy of parent's pages (full ones shared); if there is no room, queue it to be
@@ -180,6 +187,9 @@ class Scheduler:
             rows = 1 + req.forks_left
             if len(self.running) + rows > self.max_batch_size or self.pool.req_to_token.num_free < rows:
                 break
+            if self._holds_short_keys(req):  # a session's turn past a longrope model's original length
+                self._forget_computed(req)
+                self._rotated_long.add(req)
             fresh = not req.pages and req.num_computed == 0
             if fresh:
                 req.pages, req.num_computed = self.pool.match_prefix(req.cacheable)

@@ -94,6 +94,29 @@ def test_engine_prompt_chunks_take_the_whole_prompts_factors(tmp_path):
     assert alone[1] == alone[0]  # recomputed at the crossing with nothing else running
 
 
+def test_session_turn_past_the_original_length_recomputes_its_history(tmp_path):
+    """Turn one ends within 16 tokens; turn two passes it, so the history's keys are rotated again, and the reply
+    equals transformers' generate over the whole conversation."""
+    from astrai_pl.inference import Engine, SamplingParams
+
+    hf = hf_random(transformers, longrope_config(), scale=0.5)
+    hf.save_pretrained(tmp_path)
+    engine = Engine(Transformer.from_pretrained(tmp_path).eval(), max_total_tokens=2048, page_size=4)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
+    chat = engine.session()
+    first, second = [5, 9, 17, 33, 60, 71, 88, 90, 101, 7], [44, 12, 99, 3, 58]
+    reply = chat.generate(first, params).token_ids
+    got = chat.generate(second, params)
+    history = first + reply + second  # 19 tokens: past the original 16
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([history]), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                          eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(history):].tolist()
+    assert got.token_ids == tokens
+    expected = [step.log_softmax(-1)[0, t].item() for step, t in zip(out.logits, tokens)]
+    assert max(abs(a - b) for a, b in zip(got.logprobs, expected)) <= 1e-4  # the first token's too
+
+
 def _saved(tmp_path, **fields):
     hf_random(transformers, longrope_config(**fields)).save_pretrained(tmp_path)
     return tmp_path
