@@ -1,9 +1,11 @@
 """Learning-rate schedules stepped once per optimizer step: warmup + cosine, and warmup-stable-decay.
 
-`max_steps` left None (as the shipped configs leave it) is the trainer's length, `trainer.estimated_stepping_batches`
-(trainer.max_steps, or the optimizer steps of max_epochs), given by the objective before step 1
-(`fit_schedule_length`), so `--trainer.max_steps 20` decays over those 20 steps; a number is kept as written.
-One log line says which length the schedule uses and where it came from. A resumed run keeps its checkpoint's.
+`max_steps` left None (as the shipped configs leave it) is the trainer's length,
+`trainer.estimated_stepping_batches` (trainer.max_steps, or the optimizer steps of max_epochs), given by the
+objective before step 1 (`fit_schedule_length`): `--trainer.max_steps 20` decays over those 20 steps (a longer
+warmup takes all of them); a number is kept as written. One log line says which length the schedule uses and
+where it came from; a resumed run uses that length too (its own config's or trainer's) and takes the rest of the
+schedule's state from the checkpoint.
 
 Both refuse, before step 1, a schedule that cannot be meant: `max_steps` below 1, `warmup_steps` outside
 0..max_steps, `min_lr_ratio` outside [0, 1] (a negative rate climbs the loss). Steps past `max_steps` keep the
@@ -55,15 +57,24 @@ def fit_schedule_length(scheduler: Any, trainer: Any) -> None:
         return
     steps = trainer.estimated_stepping_batches
     if not math.isfinite(steps):
-        raise ConfigError(f"{name}: {FIELD}.max_steps=None takes the trainer's length, but the trainer has none "
-                          "(trainer.max_steps=-1 and no max_epochs); set trainer.max_steps, or the schedule's max_steps")
-    try:
-        scheduler.set_max_steps(int(steps))
-    except ConfigError as err:
-        raise ConfigError(f"{err} (max_steps={int(steps)} is the trainer's length: trainer.max_steps or "
-                          "max_epochs)") from None
-    rank_zero_info(f"{name}: decays over {int(steps)} steps, the trainer's length "
+        raise ConfigError(f"{name}: {FIELD}.max_steps=None takes the trainer's length, but the trainer has "
+                          "none (trainer.max_steps=-1 and no max_epochs); set trainer.max_steps, or the "
+                          "schedule's max_steps")
+    steps = int(steps)
+    if scheduler.warmup_steps > steps:  # a short trial run (--trainer.max_steps 1) of a config: not an error
+        rank_zero_info(f"{name}: {FIELD}.warmup_steps={scheduler.warmup_steps} is longer than the trainer's "
+                       f"{steps} steps; the warmup takes all {steps}")
+        scheduler.warmup_steps = steps
+    scheduler.set_max_steps(steps)
+    rank_zero_info(f"{name}: decays over {steps} steps, the trainer's length "
                    f"(trainer.estimated_stepping_batches; {FIELD}.max_steps is null)")
+
+
+def _load_keeping_length(schedule: LambdaLR, state_dict: dict[str, Any]) -> None:
+    """LambdaLR.load_state_dict, except the length: a resumed run decays over its own (the one its log names)."""
+    length = {k: v for k, v in vars(schedule).items() if k in ("max_steps", "decay_start")}
+    LambdaLR.load_state_dict(schedule, state_dict)
+    vars(schedule).update(length)
 
 
 class WarmupCosine(LambdaLR):
@@ -75,6 +86,8 @@ class WarmupCosine(LambdaLR):
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.set_max_steps(max_steps)
         super().__init__(optimizer, self.factor)
+
+    load_state_dict = _load_keeping_length
 
     def set_max_steps(self, max_steps: int | None) -> None:
         check_schedule(type(self).__name__, self.warmup_steps, max_steps, self.min_lr_ratio)
@@ -100,6 +113,8 @@ class WarmupStableDecay(LambdaLR):
         self.warmup_steps, self.decay_fraction, self.min_lr_ratio = warmup_steps, decay_fraction, min_lr_ratio
         self.set_max_steps(max_steps)
         super().__init__(optimizer, self.factor)
+
+    load_state_dict = _load_keeping_length
 
     def set_max_steps(self, max_steps: int | None) -> None:
         check_schedule(type(self).__name__, self.warmup_steps, max_steps, self.min_lr_ratio)

@@ -71,6 +71,27 @@ def test_an_explicit_schedule_length_is_kept(tmp_path, caplog):
     assert "decays over 30 steps" in caplog.text and "as configured" in caplog.text
 
 
-def test_a_warmup_longer_than_the_trainer_run_names_the_trainer(tmp_path):
-    with pytest.raises(ConfigError, match=r"warmup_steps=5: must lie in 0\.\.max_steps=3.*trainer's length"):
-        fitted(tmp_path, "--trainer.max_steps", "3", f"{SCHEDULE}warmup_steps", "5")
+def test_a_warmup_longer_than_a_short_trainer_run_takes_all_of_it(caplog):
+    """`--trainer.max_steps 1` on a config whose warmup is 2 steps is a trial run, not a config error."""
+    scheduler = WarmupCosine(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), warmup_steps=2)
+    with caplog.at_level(logging.INFO):
+        fit_schedule_length(scheduler, SimpleNamespace(estimated_stepping_batches=1))
+    assert (scheduler.warmup_steps, scheduler.max_steps) == (1, 1)
+    assert "warmup_steps=2 is longer than the trainer's 1 steps" in caplog.text
+
+
+@pytest.mark.parametrize("schedule", [WarmupCosine, WarmupStableDecay])
+def test_a_resumed_schedule_decays_over_this_runs_length(schedule):
+    """A checkpoint's schedule state (its step, its base rates) is restored, its length is not: the run decays
+    over the length its own log names."""
+    def optimizer():
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+
+    saved = schedule(optimizer(), warmup_steps=0, max_steps=2)
+    for _ in range(2):
+        saved.step()
+    resumed = schedule(optimizer(), warmup_steps=0)
+    fit_schedule_length(resumed, SimpleNamespace(estimated_stepping_batches=10))
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.last_epoch == 2 and resumed.max_steps == 10
+    assert resumed.factor(2) > resumed.min_lr_ratio  # 2 of 10 steps: far from the end
