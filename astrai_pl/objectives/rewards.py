@@ -183,8 +183,14 @@ def _load_classifier(folder: Path, dtype: str | None):
     if not list(folder.glob("*.safetensors")):
         raise RewardError(f"reward model {str(folder)!r} has no .safetensors weights; only safetensors are read "
                           "(pickled .bin files can run code)")
-    model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
-        folder, use_safetensors=True, output_loading_info=True, dtype=dtype or "auto", **opts)
+    bar = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # a training log is no place for a loading bar
+    try:
+        model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+            folder, use_safetensors=True, output_loading_info=True, dtype=dtype or "auto", **opts)
+    finally:
+        if bar:
+            transformers.utils.logging.enable_progress_bar()
     missing = info.get("missing_keys") or []
     if missing:
         raise RewardError(f"reward model {str(folder)!r} lacks {len(missing)} weight(s), e.g. {sorted(missing)[0]!r}: "

@@ -115,6 +115,24 @@ def test_a_reward_model_directory_scores_prompt_and_completion(reward_dir):
     assert chat == pytest.approx(direct_scores(model, rendered), abs=1e-5)
 
 
+def test_our_reward_model_export_scores_as_the_reward_model_does(tmp_path, capfd):
+    from astrai_pl.objectives.reward import RewardModel, sequence_scores
+
+    torch.manual_seed(0)
+    rm = RewardModel(arch=ModelConfig.from_name("debug"), tokenizer=TOKENIZER)
+    torch.nn.init.normal_(rm.model.lm_head.weight, std=1.0)
+    rm.save_pretrained(tmp_path / "rm")
+    capfd.readouterr()
+    (_, fn), = load_reward_funcs([str(tmp_path / "rm")])[0]
+    assert "Loading weights" not in capfd.readouterr().err  # no progress bar in a training log
+    rewards = fn(prompts=PROMPTS, completions=COMPLETIONS)
+    with torch.no_grad():
+        ids = [[TOKENIZER.bos_token_id, *TOKENIZER.encode(p + c)] for p, c in zip(PROMPTS, COMPLETIONS)]
+        expected = [float(sequence_scores(rm.model.eval(), torch.tensor([i]), torch.tensor([len(i) - 1]))[0])
+                    for i in ids]
+    assert rewards == pytest.approx(expected, abs=1e-5)
+
+
 def test_grpo_trains_on_a_reward_model(reward_dir):
     folder, _ = reward_dir
     torch.manual_seed(0)
