@@ -20,10 +20,20 @@ HF = {
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE, use_sliding_window=True, max_window_layers=1),
 }
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+OTHER_HF = {  # each family's own rule for which layers slide (hf_attention.py)
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16, use_sliding_window=True, max_window_layers=2),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SHAPE, **MOE, shared_expert_intermediate_size=48,
+                                                     use_sliding_window=True, max_window_layers=3),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, **MOE, head_dim=16, use_sliding_window=True),
+    "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=4),
+}
 
-@pytest.mark.parametrize("family", sorted(HF))
+
+@pytest.mark.parametrize("family", sorted(HF) + [pytest.param(f, marks=pytest.mark.slow) for f in sorted(OTHER_HF)])
 def test_logits_equal_transformers_beyond_the_window(family, tmp_path):
-    there, back, written = round_trip_gaps(transformers, HF[family](), tmp_path, seq_len=20)  # 5x the window
+    make = {**HF, **OTHER_HF}[family]
+    there, back, written = round_trip_gaps(transformers, make(), tmp_path, seq_len=20)  # 5x the window
     assert there <= 1e-4 and back <= 1e-4
     assert written["sliding_window"] == 4
 
