@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from fit_runs import write_corpus
+from jsonargparse import Namespace
 
 from astrai_pl.callbacks import HFExport
+from astrai_pl.callbacks.resume import place_outputs
 from astrai_pl.checkpoint import CheckpointError
 from astrai_pl.checkpoint.runs import (
     RUN_DIR_ENV,
@@ -121,6 +123,17 @@ def test_ranks_of_one_run_share_its_directory(tmp_path, monkeypatch):
     cli = built(tmp_path / "runs")
     assert cli.trainer.checkpoint_callback.dirpath == str(tmp_path / "runs/version_7/checkpoints")
     assert os.environ[RUN_DIR_ENV] == str(tmp_path / "runs" / "version_7")
+
+
+def test_validate_with_last_reads_the_latest_runs_checkpoint_and_logs_apart(tmp_path):
+    root = tmp_path / "runs"
+    point_latest(root, claim_run_dir(root))
+    checkpoint = Namespace(class_path="lightning.pytorch.callbacks.ModelCheckpoint", init_args=Namespace(dirpath=None))
+    trainer = Namespace(default_root_dir=str(root), logger=True, callbacks=[checkpoint])
+    assert place_outputs(trainer, "validate", "last") == root / "version_1"
+    assert checkpoint.init_args.dirpath == str(root / "version_0" / "checkpoints")
+    assert trainer.logger.init_args.version == "version_1"
+    assert latest_run_dir(root) == root / "version_0"
 
 
 def test_ranks_that_srun_starts_on_their_own_share_rank_0s_directory(tmp_path, monkeypatch):

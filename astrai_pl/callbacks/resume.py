@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
-from ..checkpoint.runs import shared_run_dir
+from ..checkpoint.runs import latest_run_dir, shared_run_dir
 from .export import HFExport
 
 CSV_LOGGER = "lightning.pytorch.loggers.CSVLogger"
@@ -52,14 +52,16 @@ def place_outputs(trainer: Any, subcommand: str | None, ckpt_path: str | None) -
     """Put the outputs a trainer config leaves unplaced in this run's directory, `default_root_dir/version_N`:
     `logger: true` becomes a CSVLogger writing metrics.csv there, a ModelCheckpoint's `dirpath: null` its
     checkpoints/, an HFExport's `dirpath: null` its hf/. Paths a config names are used as written (and shared
-    by every run that names them). Returns the run directory, or None when nothing was placed (no directory
-    is made)."""
+    by every run that names them). `validate` / `test` with `--ckpt_path last` read the last.ckpt of the run
+    `latest` names, and log into a directory of their own. Returns the run directory, or None when nothing was
+    placed (no directory is made)."""
     callbacks = [c for c in (trainer.get("callbacks") or []) if _class_of(c) is not None]
     unplaced = [c for c in callbacks if issubclass(_class_of(c), (ModelCheckpoint, HFExport))
                 and c.get("init_args") is not None and c.init_args.get("dirpath") is None]
     if trainer.get("logger") is not True and not unplaced:
         return None
     root = Path(trainer.get("default_root_dir") or ".")
+    evaluated = latest_run_dir(root) if subcommand not in (None, "fit") and ckpt_path == "last" else None
     run_dir = shared_run_dir(root, subcommand, ckpt_path)
     rank_zero_info(f"run directory: {run_dir} (metrics, checkpoints, exports; {root / 'latest'} names the "
                    "newest run)")
@@ -67,8 +69,10 @@ def place_outputs(trainer: Any, subcommand: str | None, ckpt_path: str | None) -
         trainer.logger = type(trainer)(class_path=CSV_LOGGER, init_args=type(trainer)(
             save_dir=str(run_dir.parent), name="", version=run_dir.name, prefix="", flush_logs_every_n_steps=100))
     for entry in unplaced:
-        folder = "hf" if issubclass(_class_of(entry), HFExport) else "checkpoints"
-        entry.init_args.dirpath = str(run_dir / folder)
+        if issubclass(_class_of(entry), HFExport):
+            entry.init_args.dirpath = str(run_dir / "hf")
+        else:
+            entry.init_args.dirpath = str((evaluated or run_dir) / "checkpoints")
     return run_dir
 
 
