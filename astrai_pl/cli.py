@@ -1,26 +1,24 @@
-"""`astrai-pl`: LightningCLI for fit/validate/test, plus the project's own verbs.
+"""`astrai-pl fit|validate|test`: LightningCLI over our objectives and data modules.
 
     astrai-pl fit --config configs/pretrain/tiny.yaml [--trainer.max_steps 100 …]
-    astrai-pl tokenizer train --input corpus.txt --vocab-size 8000 --output tok/
-    astrai-pl convert --ckpt last.ckpt --output hf_dir/                  (a LoRA run's: its PEFT adapter directory)
-    astrai-pl convert --ckpt last.ckpt --merge-lora --output hf_dir/     (the adapter folded in: a plain HF model)
-    astrai-pl convert --ckpt base_hf_dir/ --adapter adapter_dir/ --merge-lora --output merged_dir/
-    astrai-pl generate --model hf_dir/ --prompt "What is 2 + 3?"      (or --input prompts.jsonl --output out.jsonl)
-    astrai-pl chat --model hf_dir/
-    astrai-pl serve --model hf_dir/ [--port 8000] [--api-key KEY]    (OpenAI-compatible HTTP: /v1/completions, …)
-    astrai-pl evaluate --model hf_dir/ --tasks astrai_arithmetic,astrai_next_sentence --output results.json
-    astrai-pl sweep configs/sweeps/sft-debug.yaml [--count N] [--dry-run]   (a W&B sweep, without a W&B server)
+    astrai-pl fit --config configs/sft/tiny.yaml --print_config=comments    (every option, with its documentation)
+    astrai-pl validate --config configs/sft/tiny.yaml --ckpt_path runs/sft-tiny/latest/checkpoints/last.ckpt
 
+`astrai-pl` itself (the table of verbs, the top-level help, the other verbs) is verbs.py; this module, with
+Lightning and jsonargparse, loads only for these three verbs. Lightning's `predict` is left out (`generate
+--input` completes a file of prompts), and so are LightningCLI's `--optimizer`/`--lr_scheduler`, which
+would replace the objective's own optimizer and schedule: they are refused, naming the fields to set.
 Every config has a `wandb:` section; `--wandb.enabled true` logs the run to Weights & Biases (docs/tracking.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
+import yaml
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
@@ -38,17 +36,12 @@ from .callbacks.tracking import (
 from .checkpoint import CheckpointError
 from .checkpoint.archive import checkpoint_error_in, prepare_resume_from_last, verify_archive
 from .checkpoint.runs import RUN_DIR_ENV, resolve_latest
-from .commands import USER_ERRORS, CommandError, chat_verb, generate_verb, load_adapted
 from .data.rows import DataError
 from .model.config import ConfigError
-from .model.lora import merge_lora
 from .objectives import Objective
 from .objectives.options import renamed_in_parse_error
-from .sweep import sweep_verb
-from .tokenizer import load_tokenizer
+from .verbs import main  # `python -m astrai_pl.cli` and callers of `astrai_pl.cli.main`
 from .warning_filters import install as install_warning_filters
-
-LIGHTNING_VERBS = {"fit", "validate", "test", "predict"}
 
 # Field docstrings (`"""..."""` under each dataclass attribute) become --help text and
 # `--print_config=comments` comments.
@@ -74,9 +67,83 @@ class Parser(LightningArgumentParser):
         super().error(message, ex)
 
 
+# LightningCLI's own optimizer options and the objective's fields that say the same, with an example of each.
+OBJECTIVE_OPTIMIZATION = {
+    "optimizer": ("model.init_args.optimizer", "torch.optim.AdamW", "lr 1e-4"),
+    "lr_scheduler": ("model.init_args.scheduler", "astrai_pl.objectives.schedules.WarmupCosine", "warmup_steps 100"),
+}
+
+
+def refuse_lightning_optimizers(args: Any) -> None:
+    """ConfigError for LightningCLI's `--optimizer`/`--lr_scheduler`, given as options or as keys of a config
+    file: they would replace the objective's configure_optimizers, so its parameter groups (no weight decay
+    on norms and biases) and its schedule fitted to the run's length would be silently lost."""
+    args = args.as_dict() if hasattr(args, "as_dict") else args  # a jsonargparse Namespace
+    names = _section_keys(args) if isinstance(args, dict) else [*_option_names(args), *_config_keys(args)]
+    for name in names:
+        if name in OBJECTIVE_OPTIMIZATION:
+            field, example, init_arg = OBJECTIVE_OPTIMIZATION[name]
+            raise ConfigError(
+                f"--{name} (LightningCLI's) would replace the objective's own optimizer and schedule, so astrai-pl "
+                f"refuses it; set the objective's field {field} instead, in the config or as "
+                f"--{field} {example} --{field}.init_args.{init_arg}")
+
+
+def _option_names(args: list[str]) -> list[str]:
+    """The section of each `--section.key value` / `--section=value` option."""
+    return [word[2:].split("=")[0].split(".")[0] for word in args if word.startswith("--")]
+
+
+def _config_keys(args: list[str]) -> list[str]:
+    """Top-level keys of the config files in `args` (and of their fit/validate/test sections); a file that
+    cannot be read is left to jsonargparse, which names it."""
+    keys = []
+    for i, word in enumerate(args):
+        path = word.split("=", 1)[1] if word.startswith("--config=") else None
+        if word in ("-c", "--config") and i + 1 < len(args):
+            path = args[i + 1]
+        try:
+            config = yaml.safe_load(Path(path).read_text(encoding="utf-8")) if path else None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        keys += _section_keys(config)
+    return keys
+
+
+def _section_keys(config: Any) -> list[str]:
+    """The keys of a config (a dict), and of its fit/validate/test sections."""
+    if not isinstance(config, dict):
+        return []
+    sections = [config, *(config[v] for v in ("fit", "validate", "test") if isinstance(config.get(v), dict))]
+    return [str(key) for section in sections for key in section]
+
+
+def subcommand_help(verb: str) -> dict[str, str]:
+    """What `astrai-pl VERB --help` opens with: one usage line (not one per option) and where the options are
+    shown best."""
+    return {
+        "usage": f"astrai-pl {verb} --config FILE [--section.key VALUE …]   (astrai-pl --help: every verb)",
+        "description": (
+            "Every option below is a key of the config file (--trainer.max_steps 100 is trainer: max_steps: 100). "
+            f"Shorter to read: astrai-pl {verb} --config FILE --print_config=comments prints the whole config "
+            "this run would use, each field with its documentation; --model.help SFT and --data.help SFTData "
+            "show one class's fields. Sections: trainer (Lightning's Trainer), model (the objective: arch, "
+            "optimizer, scheduler, …), data (the data module), wandb, safety; then ckpt_path."),
+    }
+
+
 class AstraiCLI(LightningCLI):
     """LightningCLI whose model is any Objective and whose data is any LightningDataModule of ours, with one
     `wandb:` section (WandbConfig) whose `enabled` switches Weights & Biases logging on."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """fit, validate and test; Lightning's predict needs a predict_step, and `generate` does that job."""
+        return {verb: skip for verb, skip in LightningCLI.subcommands().items() if verb != "predict"}
+
+    def parse_arguments(self, parser, args) -> None:
+        refuse_lightning_optimizers(sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser) -> None:
         # The tokenizer is declared once, on the data module; the objective receives the same object.
@@ -129,7 +196,8 @@ def lightning_main(args: list[str] | None = None, run: bool = True) -> AstraiCLI
         return AstraiCLI(
             model_class=Objective, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
             args=args, run=run, save_config_callback=SaveConfig, save_config_kwargs={"overwrite": True},
-            parser_class=Parser,
+            parser_class=Parser, auto_configure_optimizers=False,
+            parser_kwargs={verb: subcommand_help(verb) for verb in AstraiCLI.subcommands()},
         )
     except ValueError as err:
         cause = checkpoint_error_in(err)  # jsonargparse wraps an objective's CheckpointError in a config dump
@@ -142,92 +210,14 @@ def lightning_main(args: list[str] | None = None, run: bool = True) -> AstraiCLI
             os.environ.pop(RUN_DIR_ENV, None)
 
 
-# -- our own verbs -----------------------------------------------------------------------------------------
-def _tokenizer_verb(argv: list[str]) -> None:
-    from .tokenizer import train_bpe
-
-    parser = argparse.ArgumentParser(prog="astrai-pl tokenizer", description="Train a byte-level BPE tokenizer.")
-    sub = parser.add_subparsers(dest="action", required=True)
-    train = sub.add_parser("train", help="train on text files (one document per line for .txt; 'text' column otherwise)")
-    train.add_argument("--input", nargs="+", help="txt/json/jsonl/parquet files; default: the embedded corpus")
-    train.add_argument("--vocab-size", type=int, required=True)
-    train.add_argument("--min-frequency", type=int, default=2)
-    train.add_argument("--text-field", default="text")
-    train.add_argument("--output", required=True, help="directory to write tokenizer.json and its config into")
-    ns = parser.parse_args(argv)
-    tokenizer = train_bpe(_iter_texts(ns.input, ns.text_field), ns.vocab_size, min_frequency=ns.min_frequency)
-    tokenizer.save_pretrained(ns.output)
-    print(f"wrote a {tokenizer.vocab_size}-token tokenizer to {ns.output}")
-
-
-def _iter_texts(paths: list[str] | None, text_field: str):
-    from .data.corpus import embedded_documents
-    from .data.pretrain import load_documents
-
-    if not paths:
-        yield from (d["text"] for d in embedded_documents())
-        return
-    for path in paths:
-        yield from load_documents(path, text_field)[text_field]
-
-
-def _convert_verb(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog="astrai-pl convert",
-        description="Export one of our checkpoints as a Hugging Face directory; a model with a LoRA adapter as a "
-                    "PEFT adapter directory, or with --merge-lora as a Hugging Face directory with the adapter "
-                    "folded into its weights.")
-    parser.add_argument("--ckpt", required=True, help="a .ckpt written by astrai-pl fit, or a Hugging Face dir")
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer directory to write alongside")
-    parser.add_argument("--adapter", default=None,
-                        help="a PEFT LoRA adapter directory (written here or by PEFT) to put on --ckpt")
-    parser.add_argument("--merge-lora", action="store_true",
-                        help="fold the adapter into the weights (W + scale·B·A, as PEFT's merge_and_unload) and "
-                             "write a plain Hugging Face model directory instead of the adapter")
-    ns = parser.parse_args(argv)
-    try:
-        model = load_adapted(ns.ckpt, ns.adapter, option="--ckpt")
-        if ns.merge_lora and model.lora_config is None:
-            raise CommandError(f"--merge-lora: {ns.ckpt} holds no LoRA adapter; pass one with --adapter DIR, or "
-                               "leave --merge-lora out")
-        if ns.merge_lora:
-            merge_lora(model)
-        adapter_only = model.lora_config is not None
-        model.save_pretrained(ns.output, tokenizer=load_tokenizer(ns.tokenizer) if ns.tokenizer else None)
-    except USER_ERRORS as err:  # the message names the file and the fix
-        raise SystemExit(f"astrai-pl convert: {err}") from None
-    print(f"wrote {ns.output} ({'a PEFT adapter directory' if adapter_only else 'a Hugging Face model directory'})")
-
-
-def _serve_verb(argv: list[str]) -> None:
-    from .serve.cli import serve_verb  # FastAPI and uvicorn load only for this verb (the `serve` extra)
-
-    serve_verb(argv)
-
-
-def _evaluate_verb(argv: list[str]) -> None:
-    from .evaluation.run import evaluate_verb  # lm-eval loads only for this verb (the `eval` extra)
-
-    evaluate_verb(argv)
-
-
-VERBS = {"tokenizer": _tokenizer_verb, "convert": _convert_verb, "generate": generate_verb, "chat": chat_verb,
-         "sweep": sweep_verb, "serve": _serve_verb, "evaluate": _evaluate_verb}
-
-
-def main(argv: list[str] | None = None) -> None:
-    words = sys.argv[1:] if argv is None else argv
-    if words and words[0] in VERBS:
-        VERBS[words[0]](words[1:])
-        return
-    if words and not words[0].startswith("-") and words[0] not in LIGHTNING_VERBS:
-        raise SystemExit(f"astrai-pl: unknown command {words[0]!r}; use one of "
-                         f"{', '.join(sorted(LIGHTNING_VERBS | set(VERBS)))}")
+def lightning_verb(argv: list[str] | None = None) -> None:
+    """`astrai-pl fit|validate|test …` (None: sys.argv); an error whose message names the fix ends it without a
+    traceback."""
     try:
         lightning_main(argv)  # None: LightningCLI reads sys.argv itself
-    except (DataError, CheckpointError, ConfigError, NonFiniteLossError) as err:  # the message names the file or step and the fix
+    except (DataError, CheckpointError, ConfigError, NonFiniteLossError) as err:
         raise SystemExit(f"astrai-pl: {err}") from None
+
 
 if __name__ == "__main__":
     main()

@@ -1,16 +1,20 @@
 """`astrai-pl generate` and `astrai-pl chat`: the inference engine on a Hugging Face directory or a checkpoint.
 
-    astrai-pl generate --model hf_dir/ --prompt "Once upon a time" --max-tokens 64
+    astrai-pl generate --model hf_dir/ --prompt "What is 2 + 3?"             (a user turn, through the chat template)
+    astrai-pl generate --model hf_dir/ --prompt "Once upon a time" --no-chat-template --max-tokens 64
     astrai-pl generate --model last.ckpt --input prompts.jsonl --output completions.jsonl --temperature 0
     astrai-pl chat --model hf_dir/ --system "You answer in one sentence."
     astrai-pl chat --model base_hf_dir/ --adapter lora_adapter/
 
 `--model` is a Hugging Face directory, a .ckpt written by `astrai-pl fit` (a LoRA run's holds its adapter) or a
 sharded FSDP2 checkpoint folder; `--adapter DIR` puts a PEFT LoRA adapter directory on it. An adapter is merged
-into the weights before serving (they stay fixed here, and merged they cost nothing per token). Each input line of `generate` is {"prompt": str} or {"messages": [...]} (rendered with the chat
-template and its generation prompt); each output line keeps the input's fields and adds "completion",
-"finish_reason" and "token_ids". `chat` keeps the conversation in an engine session, so each turn
-computes only its own tokens, never the history again.
+into the weights before serving (they stay fixed here, and merged they cost nothing per token). `--prompt` is a
+user message through the tokenizer's chat template when it has one (`--no-chat-template`: plain text). Each
+input line of `generate` is {"prompt": str} (plain text unless `--chat-template`) or {"messages": [...]}
+(rendered with the chat template and its generation prompt); each output line keeps the input's fields and adds
+"completion", "finish_reason" and "token_ids". `chat` keeps the conversation in an engine session, so each turn
+computes only its own tokens, never the history again. Chat ids start with BOS exactly once (`bos_first`),
+as every fine-tuning row does.
 """
 
 from __future__ import annotations
@@ -27,19 +31,17 @@ import torch
 
 from .atomic import write_atomically
 from .checkpoint import CheckpointError, is_sharded_checkpoint, load_transformer
-from .checkpoint.archive import interrupted_copy
 from .checkpoint.runs import resolve_latest
 from .inference import CapacityError, Engine, InferenceError, SamplingParams, SamplingParamsError, Session
 from .jsonl import UTF8_FIX, NotUtf8, UnreadableJson, decode_utf8, parse_json
 from .model import Transformer
 from .model.adapter_files import is_adapter_dir, load_adapter
 from .model.config import ConfigError
-from .model.hf import export_dir
 from .model.lora import merge_lora
-from .strategy import DTYPES
 from .tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 CHUNK = 256  # prompts handed to the engine at once: it batches them; results are written as each chunk ends
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype: names of torch dtypes
 
 
 class CommandError(ValueError):
@@ -58,7 +60,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="'byte' or a tokenizer directory (default: the adapter's, else the model directory's, "
                             "else 'byte')")
     group.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    group.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as loaded (float32)")
+    group.add_argument("--dtype", choices=DTYPES, default=None, help="default: as loaded (float32)")
     group.add_argument("--max-total-tokens", type=int, default=None,
                        help="KV pool size in tokens (default: 80%% of free GPU memory, 32k on CPU)")
 
@@ -109,10 +111,6 @@ def load_adapted(model_path: str | Path, adapter: str | Path | None, option: str
     if is_adapter_dir(model_path):
         raise CommandError(f"{option} {model_path} is a PEFT adapter directory, not a model; pass its base model "
                            f"as {option} and this directory as --adapter")
-    path = Path(model_path)  # or what a save cut off between two renames left beside it (loaded as usual)
-    if not path.exists() and interrupted_copy(path) is None and not export_dir(path).exists():
-        raise CommandError(f"{option} {model_path}: no such file or directory; pass a Hugging Face model directory "
-                           "or a .ckpt written by astrai-pl fit")
     model = load_transformer(None, model_path)
     if adapter is not None:
         if model.lora_config is not None:
@@ -141,7 +139,7 @@ def load_engine(ns: argparse.Namespace) -> tuple[Engine, Tokenizer, list[int]]:
     path = Path(ns.model)
     hf_dir = path.is_dir() and not is_sharded_checkpoint(path)
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = Engine(model, tokenizer, device=device, dtype=DTYPES.get(ns.dtype),
+    engine = Engine(model, tokenizer, device=device, dtype=getattr(torch, ns.dtype) if ns.dtype else None,
                     max_total_tokens=ns.max_total_tokens)
     return engine, tokenizer, generation_eos_ids(path) if hf_dir else []
 
@@ -246,8 +244,7 @@ def write_completions(engine: Engine, rows, params: SamplingParams, output: str 
         line.encode("utf-8") for line in _completion_lines(engine, rows, params)))
 
 
-def generate_verb(argv: list[str], stdout: IO[str] | None = None) -> None:
-    """`astrai-pl generate`: complete one prompt (printed as it streams) or every line of a JSONL file."""
+def _generate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="astrai-pl generate", description="Complete one prompt, or every line of a JSONL file of prompts.")
     _add_model_arguments(parser)
@@ -255,22 +252,41 @@ def generate_verb(argv: list[str], stdout: IO[str] | None = None) -> None:
     source.add_argument("--prompt", help="one prompt; its completion is printed as it is generated")
     source.add_argument("--input", help='a JSONL file: one {"prompt": str} or {"messages": [...]} per line')
     parser.add_argument("--output", help="write JSONL completions here (default: stdout)")
-    parser.add_argument("--chat-template", action="store_true",
-                        help="render plain prompts as one user message with the chat template")
+    parser.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                        help="render a plain prompt as one user message through the tokenizer's chat template. "
+                             "Default: --prompt is, when the tokenizer has a template (as a chat endpoint); "
+                             '{"prompt"} lines of --input stay plain text (as a completions endpoint); '
+                             '{"messages"} lines are always templated')
     parser.add_argument("--add-special-tokens", action="store_true",
                         help="let the tokenizer add its specials (e.g. BOS) to plain prompts")
     _add_sampling_arguments(parser)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def templates_prompt(choice: bool | None, tokenizer: Tokenizer) -> bool:
+    """Whether `--prompt` goes through the chat template: as `--[no-]chat-template` says, else when the
+    tokenizer has a template. A chat-tuned model given its question as plain text only ends the turn."""
+    return tokenizer.chat_template is not None if choice is None else choice
+
+
+def generate_verb(argv: list[str], stdout: IO[str] | None = None) -> None:
+    """`astrai-pl generate`: complete one prompt (printed as it streams) or every line of a JSONL file."""
+    ns = _generate_parser().parse_args(argv)
     stdout = stdout or sys.stdout
     try:
         engine, tokenizer, eos_ids = load_engine(ns)
         params = sampling_params(ns, eos_ids)
         if ns.input is not None:
-            rows = read_prompts(ns.input, tokenizer, ns.chat_template, ns.add_special_tokens, engine.max_context)
+            rows = read_prompts(ns.input, tokenizer, bool(ns.chat_template), ns.add_special_tokens,
+                                engine.max_context)
             write_completions(engine, rows, params, ns.output, stdout)
             return
+        templated = templates_prompt(ns.chat_template, tokenizer)
+        if templated and ns.chat_template is None:
+            print("astrai-pl generate: --prompt is a user message through the tokenizer's chat template "
+                  "(--no-chat-template: plain text)", file=sys.stderr)
         try:
-            ids = prompt_ids({"prompt": ns.prompt}, tokenizer, ns.chat_template, ns.add_special_tokens)
+            ids = prompt_ids({"prompt": ns.prompt}, tokenizer, templated, ns.add_special_tokens)
         except jinja2.TemplateError as err:
             raise CommandError(f"--prompt: the chat template failed: {err}") from None
         if not ids:

@@ -14,6 +14,7 @@ from astrai_pl.objectives.evaluation import chat_prompts
 from astrai_pl.tokenizer import BYTE_OFFSET, Tokenizer
 
 GREEDY = ["--temperature", "0", "--max-tokens", "8"]
+PLAIN = ["--no-chat-template"]  # --prompt as plain text (by default it is a user message: the tokenizer has a template)
 PRINTABLE = range(BYTE_OFFSET + ord(" "), BYTE_OFFSET + ord("~") + 1)  # ids of the bytes ' ' … '~'
 
 
@@ -76,7 +77,7 @@ def greedy(engine, prompt, max_tokens=8):
 
 
 def test_generate_prompt_prints_the_engines_greedy_completion(model_dir, engine, capsys):
-    generate_verb(["--model", str(model_dir), "--prompt", "Once upon a time", *GREEDY])
+    generate_verb(["--model", str(model_dir), "--prompt", "Once upon a time", *PLAIN, *GREEDY])
     reference = greedy(engine, "Once upon a time")
     assert capsys.readouterr().out == reference.text + "\n"
     assert reference.finish_reason == "length" and all(t in PRINTABLE for t in reference.token_ids)
@@ -84,7 +85,7 @@ def test_generate_prompt_prints_the_engines_greedy_completion(model_dir, engine,
 
 def test_generate_prompt_to_a_file_gives_the_same_tokens(model_dir, engine, tmp_path):
     out = tmp_path / "one.jsonl"
-    generate_verb(["--model", str(model_dir), "--prompt", "Once upon a time", "--output", str(out), *GREEDY])
+    generate_verb(["--model", str(model_dir), "--prompt", "Once upon a time", "--output", str(out), *PLAIN, *GREEDY])
     [row] = [json.loads(line) for line in out.read_text().splitlines()]
     reference = greedy(engine, "Once upon a time")
     assert row == {"prompt": "Once upon a time", "completion": reference.text,
@@ -137,7 +138,7 @@ def test_generate_honours_end_ids_only_in_generation_config(model_dir, engine, t
     config = json.loads((local / "generation_config.json").read_text())
     (local / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, stop_at]}))
     out = tmp_path / "out.jsonl"
-    generate_verb(["--model", str(local), "--prompt", "Once upon a time", "--output", str(out), *GREEDY])
+    generate_verb(["--model", str(local), "--prompt", "Once upon a time", "--output", str(out), *PLAIN, *GREEDY])
     row = json.loads(out.read_text())
     first = reference.token_ids.index(stop_at)
     assert row["finish_reason"] == "stop" and row["token_ids"] == reference.token_ids[: first + 1]
@@ -148,7 +149,7 @@ def test_generate_reads_our_checkpoints(model_dir, engine, tmp_path, capsys):
     ckpt = tmp_path / "last.ckpt"
     torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
                 "hyper_parameters": {"arch": model.config.to_dict()}}, ckpt)
-    generate_verb(["--model", str(ckpt), "--prompt", "Once upon a time", *GREEDY])  # tokenizer: 'byte'
+    generate_verb(["--model", str(ckpt), "--prompt", "Once upon a time", *PLAIN, *GREEDY])  # tokenizer: 'byte'
     assert capsys.readouterr().out == greedy(engine, "Once upon a time").text + "\n"
 
 

@@ -11,6 +11,7 @@ from fit_runs import quiet_trainer
 from torch.utils.data import DataLoader
 
 from astrai_pl.cli import lightning_main
+from astrai_pl.data.rows import DataError
 from astrai_pl.model import ConfigError, ModelConfig, Transformer
 from astrai_pl.objectives import GRPO, Pretrain
 from astrai_pl.objectives.schedules import WarmupCosine, WarmupStableDecay
@@ -159,7 +160,9 @@ def test_scaled_rope_extends_the_positions():
 def test_vocab_smaller_than_the_tokenizer_is_refused(tmp_path):
     cli = shipped("pretrain/debug.yaml", tmp_path, "--model.init_args.arch.vocab_size", "100")
     n = cli.datamodule.tokenizer.vocab_size
-    with pytest.raises(ConfigError, match=rf"model\.init_args\.arch\.vocab_size=100: smaller than the {n} ids of "
-                                          rf"the tokenizer.*at least {n}"):
+    # refused by the data module, before its corpus is tokenized (data/preflight.py check_model_fit)
+    with pytest.raises(DataError, match=rf"'model\.init_args\.arch\.vocab_size': the tokenizer .* has {n} ids but "
+                                        rf"the model's vocab_size is 100.*--model\.init_args\.arch\.vocab_size "
+                                        rf"{-(-n // 64) * 64} \(at least {n}"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 0

@@ -143,7 +143,7 @@ def forward_greedy(model, prompt: list[int], max_tokens: int = 8) -> list[int]:
 
 def generated_ids(tmp_path, *args) -> list[int]:
     out = tmp_path / "out.jsonl"
-    generate_verb(["--prompt", PROMPT, *GREEDY, "--output", str(out), *args])
+    generate_verb(["--prompt", PROMPT, "--no-chat-template", *GREEDY, "--output", str(out), *args])
     return json.loads(out.read_text())["token_ids"]
 
 

@@ -13,7 +13,15 @@ Atomic writes themselves are astrai_pl/atomic.py.
 from ..model.hf import CheckpointError
 from .archive import is_sharded_checkpoint, read_checkpoint
 from .loading import as_config, load_transformer
-from .plugin import AtomicCheckpointIO
+
+
+def __getattr__(name: str):
+    """`AtomicCheckpointIO` on first use: it imports Lightning, which reading checkpoints (generate, serve) never needs."""
+    if name == "AtomicCheckpointIO":
+        from .plugin import AtomicCheckpointIO
+
+        return AtomicCheckpointIO
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["AtomicCheckpointIO", "CheckpointError", "as_config", "is_sharded_checkpoint", "load_transformer",
            "read_checkpoint"]

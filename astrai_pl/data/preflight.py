@@ -1,8 +1,10 @@
 """Preflight: checks that fail before the first step, each with a DataError naming the reason and the fix.
 
-`check_tokenizer` runs the tokenizer-side checks on probe rows (special tokens exist, the chat
-template renders and renders each message the same alone as in the conversation, the end-of-turn
-token is trained in trained turns); `check_bos_once` and `check_trained_tokens` scan encoded rows.
+`check_model_fit` refuses a tokenizer with more ids than the model's embedding has rows (before any row is
+encoded: at step 1 it would be an IndexError deep in the embedding); `check_tokenizer` runs the
+tokenizer-side checks on probe rows (special tokens exist, the chat template renders and renders each
+message the same alone as in the conversation, the end-of-turn token is trained in trained turns);
+`check_bos_once` and `check_trained_tokens` scan encoded rows.
 """
 
 from __future__ import annotations
@@ -34,6 +36,24 @@ PROBE_MESSAGES = (
     {"role": "user", "content": "And 7 - 9?"},
     {"role": "assistant", "content": "-2"},
 )
+
+
+VOCAB_FIELD = "model.init_args.arch.vocab_size"
+
+
+def check_model_fit(tokenizer: Any, vocab_size: int | None) -> None:
+    """Every id of the tokenizer has a row in the model's embedding of `vocab_size` rows (None: no model)."""
+    n = getattr(tokenizer, "vocab_size", None)
+    if vocab_size is None or n is None or n <= vocab_size:
+        return
+    room = -(-n // 64) * 64
+    raise DataError(
+        f"the tokenizer (data.init_args.tokenizer) has {n} ids but the model's vocab_size is {vocab_size}: "
+        f"ids {vocab_size}..{n - 1} have no embedding row",
+        VOCAB_FIELD,
+        f"give the model a row for every id, --{VOCAB_FIELD} {room} (at least {n}; a multiple of 64 runs "
+        "faster on GPUs), or use the tokenizer the model was trained with",
+    )
 
 
 def _probe(section: Section) -> list[dict[str, str]]:

@@ -21,8 +21,10 @@ from ..tokenizer import Tokenizer, load_tokenizer
 from .corpus import corpus_version, embedded_documents, is_held_out
 from .documents import check_jsonl_corpus, log_textless, require_text_column, textless_documents
 from .files import FILE_LOADERS, load_file, source_fingerprint
+from .preflight import check_model_fit
 from .rows import DataError
 from .sampling import StatefulLoader, data_parallel_rank, shuffled_batches
+from .sources import model_vocab_size
 
 
 def default_cache_dir() -> Path:
@@ -134,6 +136,7 @@ class PretrainData(L.LightningDataModule):
             self.train_set, self.val_set = self._load_or_build()
 
     def _load_or_build(self) -> tuple[Dataset, Dataset]:
+        check_model_fit(self.tokenizer, model_vocab_size(self.trainer))  # before a corpus is tokenized for nothing
         target = self.cache_dir / "pretrain" / self._cache_key()
         if (target / "train").is_dir() and (target / "val").is_dir():
             return load_from_disk(str(target / "train")), load_from_disk(str(target / "val"))

@@ -25,7 +25,7 @@ from ..model.config import ConfigError
 from .corpus import is_held_out
 from .files import FILE_LOADERS, load_file
 from .formats import infer_sections, row_format
-from .preflight import check_bos_once, check_tokenizer
+from .preflight import check_bos_once, check_model_fit, check_tokenizer
 from .preprocess import Section, preset_sections
 from .rows import DataError, Dropped, read_jsonl
 from .synthetic import OPERATORS, Problem, problems, synthetic_dataset
@@ -173,16 +173,6 @@ class Encoded(NamedTuple):
     name: str
     dropped: Dropped
     """Rows of the source dropped so far (before a held-out split: those of both splits), by reason."""
-
-
-def check_model_fit(tokenizer: Any, vocab_size: int | None) -> None:
-    """The tokenizer's ids all exist in the model's embedding."""
-    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
-        raise DataError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab_size}",
-            "vocab_size",
-            "use the model's own tokenizer, or a model whose vocab_size is at least the tokenizer's",
-        )
 
 
 def encode_splits(
