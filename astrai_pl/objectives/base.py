@@ -37,11 +37,12 @@ def check_accumulation(k: Any) -> int:
 
 def context_limit(arch: ModelConfig) -> int | None:
     """Most positions the model is configured for: max_position_embeddings, or with linear, yarn or llama3 RoPE
-    scaling `factor` × its original length when that is more; None under dynamic NTK, which rescales to any length."""
+    scaling `factor` × its original length when that is more; None under dynamic NTK, which rescales to any length.
+    LongRoPE's max_position_embeddings is already its extended length."""
     kind = arch.rope_type
     if kind == "dynamic":
         return None
-    if kind == "default":
+    if kind in ("default", "longrope"):
         return arch.max_position_embeddings
     original = arch.rope_scaling.get("original_max_position_embeddings") or arch.max_position_embeddings
     return max(arch.max_position_embeddings, int(float(arch.rope_scaling["factor"]) * original))
