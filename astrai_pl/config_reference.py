@@ -36,11 +36,11 @@ from .callbacks import (
     WandbConfig,
 )
 from .callbacks.safety import SafetyConfig
-from .data import DPOData, GRPOData, PretrainData, SFTData
+from .data import DPOData, GRPOData, KTOData, PretrainData, SFTData
 from .data.preprocess import Section
 from .data.sources import Arithmetic
 from .model import LoraConfig, ModelConfig
-from .objectives import DPO, GRPO, SFT, Pretrain
+from .objectives import DPO, GRPO, KTO, ORPO, SFT, Pretrain, RewardModel, SimPO
 from .objectives.schedules import WarmupCosine, WarmupStableDecay
 from .strategy import FSDP2Strategy
 
@@ -50,11 +50,13 @@ OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "configuration-refere
 GROUPS: list[tuple[str, str, list[type]]] = [
     ("Weights & Biases", "`wandb:` (top level)", [WandbConfig]),
     ("Run protections", "`safety:` (top level)", [SafetyConfig]),
-    ("Objectives", "`model.class_path` and `model.init_args`", [Pretrain, SFT, DPO, GRPO]),
+    ("Objectives", "`model.class_path` and `model.init_args`", [Pretrain, SFT, DPO, GRPO, KTO, ORPO, SimPO,
+                                                                 RewardModel]),
     ("Model shape", "`model.init_args.arch`", [ModelConfig]),
     ("LoRA adapter", "`model.init_args.lora`", [LoraConfig]),
     ("Learning-rate schedules", "`model.init_args.scheduler`", [WarmupCosine, WarmupStableDecay]),
-    ("Data modules", "`data.class_path` and `data.init_args`", [PretrainData, SFTData, DPOData, GRPOData]),
+    ("Data modules", "`data.class_path` and `data.init_args`", [PretrainData, SFTData, DPOData, GRPOData,
+                                                                  KTOData]),
     ("Data parts", "`data.init_args.sections` and `data.init_args.synthetic`", [Section, Arithmetic]),
     ("Strategy", "`trainer.strategy`", [FSDP2Strategy]),
     ("Callbacks and loggers", "`trainer.callbacks` and `trainer.logger`",

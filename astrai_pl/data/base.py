@@ -45,18 +45,20 @@ class RowsData(L.LightningDataModule):
         """
         Args:
             path: Rows in the module's format (SFTData: messages, prompt/completion or text; DPOData:
-                prompt/chosen/rejected; GRPOData: a prompt and the columns rewards read): a jsonl/json/parquet/txt
-                file, a saved `datasets` directory or a hub name; None = the built-in arithmetic task (`synthetic`).
+                prompt/chosen/rejected; GRPOData: a prompt and the columns rewards read; KTOData:
+                prompt/completion/label): a jsonl/json/parquet/txt file, a saved `datasets` directory or a hub name;
+                None = the built-in arithmetic task (`synthetic`).
             tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
             sections: How a row becomes tokens and a loss mask: a preset name (SFTData: messages, chat, text,
                 prompt_completion; DPOData: preference, preference_text, with one Section on 'chosen' and one on
                 'rejected'; GRPOData: grpo, the prompt through the chat template ending
-                with the assistant header) or a list of Sections; None = the preset matching the rows' fields.
+                with the assistant header; KTOData: chat, prompt_completion) or a list of Sections; None = the
+                preset matching the rows' fields.
             split: Split of a hub dataset or saved DatasetDict to train on.
             val_split: Split to validate on; None = hold out `val_fraction` of the rows instead.
             val_fraction: Share of rows held out for validation (by a seeded hash of the row index).
             on_bad_row: 'error' (stop, naming the file, line and field) or 'skip' (drop the row, counted in the log).
-            batch_size: Examples (SFTData), pairs (DPOData) or prompts (GRPOData) per micro-batch.
+            batch_size: Examples (SFTData, KTOData), pairs (DPOData) or prompts (GRPOData) per micro-batch.
             num_proc: Processes for encoding (`Dataset.map`).
             num_workers: DataLoader worker processes.
             cache_dir: Where datasets are cached (default ~/.cache/astrai_pl or $ASTRAI_CACHE).

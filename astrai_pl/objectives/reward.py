@@ -9,7 +9,8 @@ checkpoints.
 
 `RewardModel.save_pretrained(dir)` writes a Hugging Face sequence-classification directory (e.g.
 LlamaForSequenceClassification) that `AutoModelForSequenceClassification` loads and that scores as this model
-does. The HFExport callback writes causal language models and does not apply here.
+does. The callbacks that generate or export a causal language model (HFExport, SampleGenerations, ModelArtifact)
+are refused before step 1.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..atomic import remove_path, replace_path
 from ..checkpoint import CheckpointError, read_checkpoint
 from ..data.packing import IGNORE_INDEX
 from ..model import Transformer
+from ..model.config import ConfigError
 from ..model.hf_config import ARCHITECTURES, ExportError
 from ..model.lora import merge_lora
 from .options import check_reward_options
@@ -35,6 +37,7 @@ from .orpo import PairObjective
 from .preference_losses import bradley_terry_loss
 
 SCORE_KEY = "score.weight"
+CAUSAL_CALLBACKS = ("HFExport", "SampleGenerations", "ModelArtifact")  # need an lm_head
 
 
 def score_head(model: Transformer) -> nn.Linear:
@@ -77,6 +80,14 @@ class RewardModel(PairObjective):
         super().__init__(*args, **kwargs)  # the options of every objective: arch, init_from, … (Objective)
         self.center_rewards_coefficient = center_rewards_coefficient
         self.model.lm_head = score_head(self.model)  # in place of the (vocab, hidden) output layer
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        causal = sorted({type(cb).__name__ for cb in self.trainer.callbacks} & set(CAUSAL_CALLBACKS))
+        if causal:
+            raise ConfigError(f"trainer.callbacks {causal}: they generate with or export a causal language model, and a "
+                              "RewardModel has a score head instead of one; remove them (wandb.samples_every_n_steps: "
+                              "0, wandb.log_model: false) and export with RewardModel.save_pretrained")
 
     def _adapter_keys(self) -> set[str]:
         return super()._adapter_keys() | {"model.lm_head.weight"}  # a LoRA run trains the head in full

@@ -132,3 +132,12 @@ def test_reward_model_exports_a_sequence_classifier_that_transformers_scores_ali
             theirs = hf(input_ids=ids, attention_mask=(ids != pad).long()).logits.squeeze(-1)
         torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(chosen, rejected)
+
+
+def test_reward_model_refuses_callbacks_that_need_a_language_model_head(tmp_path):
+    from astrai_pl.callbacks import HFExport
+
+    cli = debug_cli("reward", tmp_path)
+    cli.trainer.callbacks.append(HFExport(dirpath=str(tmp_path / "hf")))
+    with pytest.raises(ConfigError, match=r"\['HFExport'\].*RewardModel.save_pretrained"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
