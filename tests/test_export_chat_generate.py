@@ -60,7 +60,7 @@ def engine_replies(folder, tmp_path) -> list[dict]:
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     stdout = io.StringIO()
     generate_verb(["--model", str(folder), "--input", str(prompts), "--chat-template", "--temperature", "0",
-                   "--max-tokens", str(MAX_NEW), "--device", "cpu"], stdout=stdout)
+                   "--max-tokens", str(MAX_NEW), "--device", "cpu", "--max-total-tokens", "1024"], stdout=stdout)
     return [json.loads(line) for line in stdout.getvalue().splitlines()]
 
 
