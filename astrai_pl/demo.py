@@ -14,7 +14,11 @@ checkpoint the stage before it wrote:
    accuracy next to DPO's.
 5. generate: `astrai-pl generate` on the GRPO checkpoint over the held-out problems, scored again.
 
-Every stage checks its own claim and stops the demo with a message when it does not hold.
+Every stage checks its own claim and stops the demo with a message when it does not hold. While a stage
+trains it prints a progress line (step, loss, tokens/s, ETA) at every tenth of its steps and at least every
+30 s (callbacks/progress.py); after each of the four training stages, the table of lm-eval's shipped tasks on
+its model (astrai_arithmetic_small with the chat template, astrai_next_sentence without; `--no-eval` skips
+them); at the end, a table of every stage: its figures, its time and its throughput.
 
     python -m astrai_pl.demo                                                       # every stage
     python -m astrai_pl.demo --pretrained runs/pretrain-tiny/latest/checkpoints/last.ckpt  # from stage 2
@@ -30,18 +34,102 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from statistics import fmean
+from typing import Any
 
 import torch
 
+from .callbacks.progress import ProgressLines
 from .cli import lightning_main
 from .commands import generate_verb
 from .data.synthetic import Problem, accuracy
 from .objectives import greedy_accuracy
+from .sweep import text_table
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+PROGRESS_METRICS = {"pretrain": ["train/loss"], "sft": ["train/loss"], "dpo": ["train/loss", "train/rewards/accuracies"],
+                    "grpo": ["train/loss", "train/reward"]}
+EVALUATIONS = (("astrai_arithmetic_small", True), ("astrai_next_sentence", False))  # (task, chat template)
+
+
+@dataclass
+class StageRecord:
+    """What one stage did, for the table at the end."""
+
+    stage: str
+    result: str  # the stage's own figures, e.g. "held-out loss 5.686 -> 2.028"
+    seconds: float  # wall-clock, set-up and the stage's own checks included, lm-eval's evaluation not
+    steps: int | None = None
+    tokens_per_sec: float | None = None
+    eval_seconds: float | None = None
+    evaluation: list[list[Any]] = field(default_factory=list)  # evaluation_rows
+
+
+def evaluation_rows(results: dict[str, Any]) -> list[list[Any]]:
+    """lm-eval's results as rows of (task, metric, value, stderr, documents); a filter other than "none" is
+    named after the metric, stderr is "n/a" where lm-eval gives none (or "N/A")."""
+    rows = []
+    for task, values in results.get("results", {}).items():
+        documents = results.get("n-samples", {}).get(task, {}).get("effective", "n/a")
+        for key, value in values.items():
+            metric, comma, filtered = key.partition(",")
+            if not comma or metric.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue  # a metric is "name,filter"; sample_len and alias are not metrics
+            stderr = values.get(f"{metric}_stderr,{filtered}")
+            name = metric if filtered in ("", "none") else f"{metric} ({filtered})"
+            rows.append([task, name, float(value), float(stderr) if isinstance(stderr, (int, float)) else "n/a",
+                         documents])
+    return rows
+
+
+def evaluation_table(rows: list[list[Any]]) -> str:
+    return text_table(["task", "metric", "value", "stderr", "documents"], rows)
+
+
+def stage_table(records: list[StageRecord]) -> str:
+    """One row per stage: its time, steps, tokens/s and evaluation time, a column per evaluated metric (named
+    without its filter; a blank where the stage was not evaluated), and its own figures last."""
+    metrics = list(dict.fromkeys((task, metric) for r in records for task, metric, *_ in r.evaluation))
+    header = ["stage", "time (s)", "steps", "tokens/s", "eval (s)",
+              *(f"{task.removeprefix('astrai_')} {metric.partition(' (')[0]}" for task, metric in metrics), "result"]
+    rows = []
+    for r in records:
+        values = {(task, metric): value for task, metric, value, *_ in r.evaluation}
+        rows.append([r.stage, round(r.seconds), "" if r.steps is None else r.steps,
+                     "" if r.tokens_per_sec is None else round(r.tokens_per_sec),
+                     "" if r.eval_seconds is None else round(r.eval_seconds),
+                     *(values.get(m, "") for m in metrics), r.result])
+    return text_table(header, rows)
+
+
+def evaluate_stage(record: StageRecord, module, enabled: bool) -> None:
+    """lm-eval's shipped tasks (EVALUATIONS, every document) on the stage's model as it is now, through the
+    Evaluate callback's own evaluation; prints the table and keeps its rows and time in `record`."""
+    if not enabled:
+        return
+    try:
+        from .callbacks.evaluate import Evaluate
+    except ImportError as err:  # lm-eval is the `eval` extra (`dev` has it too)
+        print(f"{record.stage}: evaluation skipped ({err}); pip install 'astrai-pl[eval]' for it", flush=True)
+        return
+    t0 = time.perf_counter()
+    for task, chat in EVALUATIONS:
+        results = Evaluate([task], limit=None, apply_chat_template=chat, log_samples=False).evaluate(module)
+        record.evaluation += evaluation_rows(results)
+    record.eval_seconds = time.perf_counter() - t0
+    print(f"{record.stage}: evaluation of its model in {record.eval_seconds:.0f} s\n"
+          f"{evaluation_table(record.evaluation)}", flush=True)
+
+
+def training_record(stage: str, cli, result: str, started: float) -> StageRecord:
+    """The StageRecord of a stage whose trainer ran `fit` with a ProgressLines callback."""
+    progress = next((c for c in cli.trainer.callbacks if isinstance(c, ProgressLines)), None)
+    summary = progress.summary if progress is not None else None
+    return StageRecord(stage, result, time.perf_counter() - started, cli.trainer.global_step,
+                       summary.tokens_per_sec if summary is not None else None)
 
 
 def held_out_loss(cli) -> float:
@@ -55,10 +143,13 @@ def stage_cli(stage: str, quiet: list[str], init_from: Path | None = None):
     overrides = [] if init_from is None else ["--model.init_args.init_from", str(init_from)]
     print(f"== {stage}: astrai-pl fit --config {config.relative_to(CONFIGS.parent)} {' '.join(overrides)}",
           flush=True)
-    return lightning_main(["--config", str(config), *overrides, *quiet], run=False)
+    cli = lightning_main(["--config", str(config), *overrides, *quiet], run=False)
+    cli.trainer.callbacks.append(ProgressLines(name=stage, metrics=PROGRESS_METRICS.get(stage)))  # prints only
+    return cli
 
 
-def pretrain_stage(quiet: list[str]) -> Path:
+def pretrain_stage(quiet: list[str], records: list[StageRecord], evaluate: bool = True) -> Path:
+    started = time.perf_counter()
     cli = stage_cli("pretrain", quiet)
     start = held_out_loss(cli)
     t0 = time.perf_counter()
@@ -70,10 +161,13 @@ def pretrain_stage(quiet: list[str]) -> Path:
           flush=True)
     if not end < start - 1.0:
         raise SystemExit("pretrain: the held-out loss did not fall clearly; something is wrong")
+    records.append(training_record("pretrain", cli, f"held-out loss {start:.3f} -> {end:.3f}", started))
+    evaluate_stage(records[-1], cli.model, evaluate)
     return Path(cli.trainer.checkpoint_callback.last_model_path)
 
 
-def sft_stage(quiet: list[str], pretrained: Path) -> Path:
+def sft_stage(quiet: list[str], pretrained: Path, records: list[StageRecord], evaluate: bool = True) -> Path:
+    started = time.perf_counter()
     cli = stage_cli("sft", quiet, pretrained)
     data, model = cli.datamodule, cli.model
     problems = data.held_out_problems()
@@ -86,6 +180,8 @@ def sft_stage(quiet: list[str], pretrained: Path) -> Path:
           f"seen in training, after {cli.trainer.global_step} steps; {seconds:.0f} s with evaluation", flush=True)
     if not after > before + 0.1:
         raise SystemExit("sft: held-out accuracy did not rise clearly; something is wrong")
+    records.append(training_record("sft", cli, f"held-out accuracy {before:.1%} -> {after:.1%}", started))
+    evaluate_stage(records[-1], model, evaluate)
     return Path(cli.trainer.checkpoint_callback.last_model_path)
 
 
@@ -101,7 +197,8 @@ def logged(cli, name: str) -> list[float]:
         return [float(row[name]) for row in csv.DictReader(f) if row.get(name)]
 
 
-def dpo_stage(quiet: list[str], sft: Path) -> tuple[Path, float]:
+def dpo_stage(quiet: list[str], sft: Path, records: list[StageRecord], evaluate: bool = True) -> tuple[Path, float]:
+    started = time.perf_counter()
     cli = stage_cli("dpo", quiet, sft)
     data, model = cli.datamodule, cli.model
     problems = data.held_out_problems()
@@ -122,6 +219,9 @@ def dpo_stage(quiet: list[str], sft: Path) -> tuple[Path, float]:
           flush=True)
     verdict("dpo", "rewards/accuracies on held-out pairs climbed above 0.5", end > 0.5)
     verdict("dpo", "held-out accuracy is not below SFT's", after >= before)
+    records.append(training_record("dpo", cli, f"rewards/accuracies {start['val/rewards/accuracies']:.2f} -> "
+                                   f"{end:.2f}; held-out accuracy {before:.1%} -> {after:.1%}", started))
+    evaluate_stage(records[-1], model, evaluate)
     return Path(cli.trainer.checkpoint_callback.last_model_path), after
 
 
@@ -132,7 +232,9 @@ def paired_reward(model, batches: list[dict]) -> float:
     return fmean(model.roll_out(batch, seed=10_000 * i).metrics["reward"] for i, batch in enumerate(batches))
 
 
-def grpo_stage(quiet: list[str], dpo: Path, dpo_accuracy: float | None) -> tuple[Path, float, list[Problem]]:
+def grpo_stage(quiet: list[str], dpo: Path, dpo_accuracy: float | None, records: list[StageRecord],
+               evaluate: bool = True) -> tuple[Path, float, list[Problem]]:
+    started = time.perf_counter()
     cli = stage_cli("grpo", quiet, dpo)
     data, model = cli.datamodule, cli.model
     problems = data.held_out_problems()
@@ -155,10 +257,13 @@ def grpo_stage(quiet: list[str], dpo: Path, dpo_accuracy: float | None) -> tuple
           f"{len(problems)} problems", flush=True)
     verdict("grpo", "the mean rollout reward rose", reward_after > reward_before)
     verdict("grpo", "held-out accuracy is not below DPO's", after >= before)
+    records.append(training_record("grpo", cli, f"rollout reward {reward_before:.3f} -> {reward_after:.3f}; "
+                                   f"held-out accuracy {before:.1%} -> {after:.1%}", started))
+    evaluate_stage(records[-1], model, evaluate)
     return Path(cli.trainer.checkpoint_callback.last_model_path), after, problems
 
 
-def generate_stage(ckpt: Path, problems: list[Problem], expected: float | None) -> None:
+def generate_stage(ckpt: Path, problems: list[Problem], expected: float | None, records: list[StageRecord]) -> None:
     """`astrai-pl generate` over the held-out problems (greedy, one JSONL line each), scored by exact match."""
     folder = ckpt.parent.parent / "held-out"
     folder.mkdir(parents=True, exist_ok=True)
@@ -177,6 +282,7 @@ def generate_stage(ckpt: Path, problems: list[Problem], expected: float | None) 
     if expected is not None and score != expected:
         raise SystemExit(f"generate: {score:.1%} differs from the evaluation loop's {expected:.1%}; the engine's "
                          "greedy answers should equal it")
+    records.append(StageRecord("generate", f"held-out accuracy {score:.1%}", time.perf_counter() - t0))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -187,18 +293,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="an SFT checkpoint to start stage 3 from (stages 1 and 2 are skipped)")
     parser.add_argument("--dpo", type=Path, default=None,
                         help="a DPO checkpoint to start stage 4 from (stages 1 to 3 are skipped)")
+    parser.add_argument("--no-eval", action="store_true",
+                        help="skip the lm-eval tables after each stage (astrai_arithmetic_small, astrai_next_sentence)")
     args = parser.parse_args(argv)
     sys.argv = sys.argv[:1]  # consumed: the stages pass their own arguments to LightningCLI
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
     quiet = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-    t0 = time.perf_counter()
+    t0, records, evaluate = time.perf_counter(), [], not args.no_eval
     dpo, dpo_accuracy = args.dpo, None
     if dpo is None:
-        sft = args.sft or sft_stage(quiet, args.pretrained or pretrain_stage(quiet))
-        dpo, dpo_accuracy = dpo_stage(quiet, sft)
-    grpo, grpo_accuracy, problems = grpo_stage(quiet, dpo, dpo_accuracy)
-    generate_stage(grpo, problems, grpo_accuracy)
-    print(f"demo finished in {time.perf_counter() - t0:.0f} s; last checkpoint: {grpo}")
+        sft = args.sft or sft_stage(quiet, args.pretrained or pretrain_stage(quiet, records, evaluate), records,
+                                    evaluate)
+        dpo, dpo_accuracy = dpo_stage(quiet, sft, records, evaluate)
+    grpo, grpo_accuracy, problems = grpo_stage(quiet, dpo, dpo_accuracy, records, evaluate)
+    generate_stage(grpo, problems, grpo_accuracy, records)
+    print(f"== the stages\n{stage_table(records)}")
+    print(f"demo finished in {time.perf_counter() - t0:.0f} s ({torch.get_num_threads()} threads); last checkpoint: "
+          f"{grpo}")
 
 
 if __name__ == "__main__":
