@@ -285,6 +285,15 @@ def generate_stage(ckpt: Path, problems: list[Problem], expected: float | None, 
     records.append(StageRecord("generate", f"held-out accuracy {score:.1%}", time.perf_counter() - t0))
 
 
+def demo_threads() -> int:
+    """Intra-op threads: OMP_NUM_THREADS (the Makefile exports 2), never more than the cores this process may
+    run on (its affinity mask, which `taskset` narrows; os.cpu_count() counts every core of the machine): a
+    second thread on one core only waits for the first at every parallel region."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    requested = os.environ.get("OMP_NUM_THREADS", "").split(",")[0]
+    return min(int(requested), cores) if requested.isdigit() and int(requested) > 0 else cores
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m astrai_pl.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--pretrained", type=Path, default=None,
@@ -297,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="skip the lm-eval tables after each stage (astrai_arithmetic_small, astrai_next_sentence)")
     args = parser.parse_args(argv)
     sys.argv = sys.argv[:1]  # consumed: the stages pass their own arguments to LightningCLI
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
+    torch.set_num_threads(demo_threads())
     quiet = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
     t0, records, evaluate = time.perf_counter(), [], not args.no_eval
     dpo, dpo_accuracy = args.dpo, None

@@ -1,7 +1,11 @@
 """The demo's tables: lm-eval's results as (task, metric, value, stderr, documents) rows, and the table of the
-stages at the end, on fixed inputs."""
+stages at the end, on fixed inputs; and its thread count against the cores it may use."""
 
-from astrai_pl.demo import StageRecord, evaluation_rows, evaluation_table, stage_table
+import os
+
+import pytest
+
+from astrai_pl.demo import StageRecord, demo_threads, evaluation_rows, evaluation_table, stage_table
 
 RESULTS = {  # the shape lm_eval.simple_evaluate returns
     "results": {
@@ -49,3 +53,11 @@ def test_the_stage_table_has_a_row_per_stage_and_a_column_per_metric():
     assert lines[3].split() == ["sft", "151", "800", "9876", "8", "0.5", "0.4545", "0.8125", "held-out", "accuracy",
                                 "0.0%", "->", "73.5%"]
     assert lines[4].split() == ["generate", "3", "held-out", "accuracy", "75.5%"]
+
+
+@pytest.mark.parametrize("requested, cores, threads", [("2", {0}, 1), ("1", {0, 1}, 1), ("", {0, 1, 2}, 3),
+                                                       ("4,2", {0, 1}, 2), ("junk", {0, 1}, 2)])
+def test_the_demo_never_runs_more_threads_than_its_cores(monkeypatch, requested, cores, threads):
+    monkeypatch.setenv("OMP_NUM_THREADS", requested)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores)
+    assert demo_threads() == threads
