@@ -199,6 +199,10 @@ class ModelConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ROPE_TYPES:
                 fail("rope_scaling", f"unknown rope_type {kind!r}", f"use one of {', '.join(ROPE_TYPES)}")
+            partial = self.rope_scaling.get("partial_rotary_factor", 1.0)
+            if not (_matches(partial, float) and 0 < partial <= 1 and self.rotary_dim % 2 == 0 < self.rotary_dim):
+                fail("rope_scaling", f"partial_rotary_factor={partial!r} must lie in (0, 1] and rotate an even "
+                     f"number of a head's {self.head_size} channels", "give e.g. 0.5, or leave it out (1)")
             factor = self.rope_scaling.get("factor", 0)
             if kind not in ("default", "longrope") and not (_matches(factor, float) and factor > 0):
                 fail("rope_scaling", "needs a positive 'factor'", "add e.g. factor: 2.0")
@@ -240,12 +244,12 @@ class ModelConfig:
 
     def _validate_longrope(self, fail) -> None:
         """longrope: one short and one long divisor per rotary frequency, an original length, optional factors."""
-        scaling, pairs = self.rope_scaling, self.head_size // 2
+        scaling, pairs = self.rope_scaling, self.rotary_dim // 2
         for key in ("short_factor", "long_factor"):
             value = scaling.get(key)
             if not (_matches(value, list[float]) and len(value) == pairs and all(v > 0 for v in value)):
                 fail("rope_scaling", f"longrope needs {key!r}: {pairs} positive numbers (one per frequency of "
-                     f"head_dim={self.head_size})", f"give {key} as a list of {pairs} numbers")
+                     f"the {self.rotary_dim} rotated channels of a head)", f"give {key} as a list of {pairs} numbers")
         original = scaling.get("original_max_position_embeddings")
         if not (_matches(original, int) and original > 1):
             fail("rope_scaling", "longrope needs 'original_max_position_embeddings' > 1",
@@ -309,6 +313,17 @@ class ModelConfig:
         """Whether decoder block `index` (0-based) uses the MoE feed-forward."""
         return (self.num_experts > 0 and index not in self.mlp_only_layers
                 and (index + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def partial_rotary_factor(self) -> float:
+        """The share of each head's channels RoPE rotates (rope_scaling's partial_rotary_factor; Phi-4-mini: 0.75)."""
+        value = (self.rope_scaling or {}).get("partial_rotary_factor", 1.0)
+        return float(value) if finite_number(value) is not None else 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading channels of each head RoPE rotates; the rest pass unchanged."""
+        return int(self.head_size * self.partial_rotary_factor)
 
     @property
     def post_norm(self) -> bool:

@@ -134,10 +134,12 @@ def read_rope(raw: dict[str, Any], defaults: dict[str, Any], file: Path) -> tupl
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     partial = params.pop("partial_rotary_factor", None) or raw.get("partial_rotary_factor") or 1.0
-    if _number(partial, "partial_rotary_factor", file) != 1.0:
+    partial = _number(partial, "partial_rotary_factor", file)
+    if partial != 1.0 and raw.get("model_type") != "phi3":
         raise UnsupportedCheckpointError(
-            f"{file}: key 'partial_rotary_factor' != 1 is not supported (every channel is rotated here). "
-            "Fix: use a checkpoint that rotates whole heads.")
+            f"{file}: key 'partial_rotary_factor' != 1 is read for phi3 only (transformers' "
+            f"{raw.get('model_type')} rotates whole heads). Fix: use a checkpoint that rotates whole heads.")
+    partial_rotary = {"partial_rotary_factor": partial} if partial != 1.0 else {}
     if raw.get("model_type") == "phi3" and kind in ("su", "yarn"):
         kind = "longrope"  # the names of older Phi-3 files; transformers reads both as longrope
     if kind == "longrope":  # a top-level original length wins, as in transformers (every Phi-3 config has one)
@@ -145,11 +147,11 @@ def read_rope(raw: dict[str, Any], defaults: dict[str, Any], file: Path) -> tupl
                                                       or params.get("original_max_position_embeddings")
                                                       or raw.get("max_position_embeddings"))
     if kind == "default":
-        return theta, None
+        return theta, {"rope_type": "default", **partial_rotary} if partial_rotary else None
     if kind in ("llama3", "yarn") and not params.get("original_max_position_embeddings"):
         # transformers falls back to max_position_embeddings for these two.
         params["original_max_position_embeddings"] = raw.get("max_position_embeddings")
-    return theta, {"rope_type": kind, **params}
+    return theta, {"rope_type": kind, **params, **partial_rotary}
 
 
 def _moe_fields(mt: str, raw: dict[str, Any]) -> dict[str, Any]:
@@ -193,7 +195,7 @@ def _check_phi3_olmo2(mt: str, raw: dict[str, Any], scaling: dict | None, file: 
             raise UnsupportedCheckpointError(
                 f"{file}: key {key!r} is {raw[key]!r}; the decoder here has no dropout. Fix: set it to 0.0 "
                 "(dropout only regularises training; the weights are the same).")
-    if mt == "phi3" and scaling is not None and scaling["rope_type"] != "longrope":
+    if mt == "phi3" and scaling is not None and scaling["rope_type"] not in ("default", "longrope"):
         raise UnsupportedCheckpointError(
             f"{file}: key 'rope_scaling' has rope_type {scaling['rope_type']!r}; Phi-3 reads only longrope (or "
             "none). Fix: give rope_type longrope with short_factor and long_factor, or null.")
@@ -284,6 +286,8 @@ def check_exportable(cfg: ModelConfig) -> None:
         problems.append("no gated shared expert (qwen2_moe always has one)")
     if mt != "qwen2_moe" and shared:
         problems.append(f"shared experts ({mt} has none)")
+    if mt != "phi3" and cfg.partial_rotary_factor != 1.0:
+        problems.append(f"partial_rotary_factor={cfg.partial_rotary_factor} ({mt} rotates whole heads)")
     if mt == "phi3" and cfg.rope_type not in ("default", "longrope"):
         problems.append(f"rope_type={cfg.rope_type!r} (phi3 reads only longrope)")
     if mt == "olmo2" and cfg.sliding_window is not None:
@@ -301,7 +305,10 @@ def _rope_json(cfg: ModelConfig) -> dict[str, Any]:
         scaling.pop("type", None)
         scaling["rope_type"] = cfg.rope_type
     params = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta}
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
+    out = {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
+    if cfg.partial_rotary_factor != 1.0:  # both layouts: inside rope_parameters (5.x), at the top level (4.x)
+        params["partial_rotary_factor"] = out["partial_rotary_factor"] = cfg.partial_rotary_factor
+    return out
 
 
 def _moe_json(cfg: ModelConfig) -> dict[str, Any]:

@@ -259,7 +259,7 @@ def rope_frequencies(cfg: ModelConfig, seq_len: int | None = None) -> tuple[torc
     `seq_len` matters only for dynamic NTK scaling, which grows the base once the context
     exceeds max_position_embeddings.
     """
-    dim, base, scaling = cfg.head_size, cfg.rope_theta, cfg.rope_scaling or {}
+    dim, base, scaling = cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling or {}
     kind = cfg.rope_type
     if kind == "yarn":
         return _yarn_inv_freq(cfg, dim, scaling)
@@ -330,7 +330,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, H, D) by the angles in cos/sin (B, T, D): x·cos + rotate_half(x)·sin."""
+    """Rotate x (B, T, H, D) by the angles in cos/sin (B, T, D): x·cos + rotate_half(x)·sin. With fewer angles
+    (R < D, a partial rotary factor) the first R channels of each head turn and the others pass unchanged."""
+    if cos.shape[-1] != x.shape[-1]:
+        turned = cos.shape[-1]
+        return torch.cat((apply_rotary(x[..., :turned].contiguous(), cos, sin), x[..., turned:]), dim=-1)
     if cpu_ops.rotary_usable(x, cos, sin):  # one fused pass each way (astrai_pl/ops/cpu_kernels.c)
         return cpu_ops.rotary(x, cos, sin)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)

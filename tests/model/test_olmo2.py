@@ -47,7 +47,8 @@ def test_engine_greedy_equals_transformers_generate(tmp_path):
     assert got == expected
 
 
-@pytest.mark.parametrize("key,value", [("attention_bias", True), ("attention_dropout", 0.1), ("sliding_window", 8)])
+@pytest.mark.parametrize("key,value", [("attention_bias", True), ("attention_dropout", 0.1), ("sliding_window", 8),
+                                       ("partial_rotary_factor", 0.5)])
 def test_unsupported_fields_are_refused_by_name(tmp_path, key, value):
     hf_random(transformers, olmo2_config()).save_pretrained(tmp_path)
     edit_json(tmp_path / "config.json", lambda raw: raw.update({key: value}))

@@ -122,17 +122,36 @@ def _saved(tmp_path, **fields):
     return tmp_path
 
 
-@pytest.mark.parametrize("key,value", [("resid_pdrop", 0.1), ("embd_pdrop", 0.1), ("attention_dropout", 0.1),
-                                       ("partial_rotary_factor", 0.5)])
+@pytest.mark.parametrize("key,value", [("resid_pdrop", 0.1), ("embd_pdrop", 0.1), ("attention_dropout", 0.1)])
 def test_unsupported_fields_are_refused_by_name(tmp_path, key, value):
     folder = _saved(tmp_path)
-
-    def edit(raw):  # transformers reads partial_rotary_factor from the RoPE parameters it saved
-        (raw["rope_parameters"] if key == "partial_rotary_factor" else raw)[key] = value
-
-    edit_json(folder / "config.json", edit)
+    edit_json(folder / "config.json", lambda raw: raw.update({key: value}))
     with pytest.raises(UnsupportedCheckpointError, match=key):
         Transformer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("scaling", [None, {**LONGROPE, "short_factor": LONGROPE["short_factor"][:4],
+                                            "long_factor": LONGROPE["long_factor"][:4]}], ids=["plain", "longrope"])
+def test_partial_rotary_parity_both_ways(tmp_path, scaling):
+    """Phi-4-mini rotates 3/4 of each head; here half: the first 8 of 16 channels turn, 4 frequencies."""
+    config = phi3_config(partial_rotary_factor=0.5, rope_scaling=scaling, original_max_position_embeddings=16)
+    there, back, saved = round_trip_gaps(transformers, config, tmp_path, seq_len=24)
+    assert there <= 1e-4 and back <= 1e-4, (there, back)
+    assert saved["partial_rotary_factor"] == 0.5 and saved["rope_parameters"]["partial_rotary_factor"] == 0.5
+    cfg = Transformer.from_pretrained(tmp_path / "ours").config
+    assert cfg.rotary_dim == 8 and cfg.rope_type == ("longrope" if scaling else "default")
+
+
+def test_partial_rotary_engine_greedy_and_bad_factors(tmp_path):
+    prompts = [[int(t) for t in torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (6, 15)]
+    expected, got = greedy_pair(transformers, phi3_config(partial_rotary_factor=0.5), tmp_path, prompts, max_tokens=5)
+    assert got == expected
+    with pytest.raises(ConfigError, match="partial_rotary_factor"):  # 16 · 0.1 rotates 1 channel, no pair
+        ModelConfig(model_type="phi3", **SHAPE, rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.1})
+    with pytest.raises(ExportError, match="partial_rotary_factor"):
+        Transformer(ModelConfig(**SHAPE, rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.5})
+                    ).save_pretrained(tmp_path / "llama")
 
 
 def test_old_su_name_reads_as_longrope_and_other_scalings_are_refused(tmp_path):
