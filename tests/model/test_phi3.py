@@ -83,6 +83,7 @@ def test_engine_greedy_equals_transformers_generate(tmp_path, scaling):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_engine_prompt_chunks_take_the_whole_prompts_factors(tmp_path):
     """Prefill in chunks of 6 tokens: a 20-token prompt's first chunks lie within the original length (16) but
     take the long factors, as transformers' one forward over the prompt does."""
@@ -193,7 +194,7 @@ def test_preset_builds_and_round_trips(tmp_path):
     model.save_pretrained(tmp_path)
     again = Transformer.from_pretrained(tmp_path).eval()
     assert again.config.rope_scaling == model.config.rope_scaling
-    ids = torch.randint(0, 320, (1, 300))  # past the preset's original 256: the long factors
+    ids = torch.randint(0, 320, (1, 260))  # past the preset's original 256: the long factors
     with torch.no_grad():
         assert torch.equal(model(ids).logits, again(ids).logits)
 
