@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from astrai_pl.checkpoint import CheckpointError
 from astrai_pl.cli import lightning_main
 from astrai_pl.data import Arithmetic, DPOData, KTOData
 from astrai_pl.model import ModelConfig
@@ -89,6 +90,16 @@ def test_kto_reference_is_frozen_outside_the_module_and_the_first_loss_is_that_o
     tagged, _ = module._shared_step({**batch, "window_examples": 3 * len(batch["label"])}, "train")
     alone, _ = module._shared_step(batch, "train")
     torch.testing.assert_close(tagged, alone / 3)  # K = 1: this batch is a third of its window
+
+
+def test_kto_checkpoints_leave_the_reference_out_and_refuse_another_one():
+    module = kto()
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(checkpoint)
+    assert not any(k.startswith("reference") for k in checkpoint["state_dict"])
+    kto(seed=0).on_load_checkpoint(checkpoint)  # the same initialisation: the same reference
+    with pytest.raises(CheckpointError, match="not the one this run trained against"):
+        kto(seed=1).on_load_checkpoint(checkpoint)
 
 
 def test_kto_refuses_batches_of_one(tmp_path):
