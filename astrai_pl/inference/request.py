@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from .cache import InferenceError
-from .sampling import Alternatives, SamplingParams, scored
+from .sampling import Alternatives, SamplingParams
 from .text import TextStream
 
 
@@ -152,13 +152,6 @@ class Request:
         if self.prompt_logprobs is None:
             return range(0)
         return range(max(start, self.params.prompt_logprobs_start - 1), min(stop, self.num_prompt - 1))
-
-    def score_prompt(self, positions: range, logits: torch.Tensor) -> None:
-        """Record the log-probability of the prompt token after each of `positions` from their logits."""
-        nexts = torch.tensor(self.tokens[positions.start + 1 : positions.stop + 1], device=logits.device)
-        chosen, top = scored(logits, nexts, [self.params.prompt_logprobs] * len(positions))
-        for i, position in enumerate(positions):
-            self.prompt_logprobs[position + 1] = (chosen[i], top[i] if top is not None else [])
 
     def fork(self, stream: TextStream | None, device: torch.device | str) -> Request:
         """The next of this prompt's n samples, in the same group; its memory is the scheduler's business."""

@@ -14,8 +14,9 @@ from ..model.layers import InputMajorWeights, Linear
 from .backends import StepView, model_features, select_backend
 from .pool import KVPool
 from .request import Request
+from .sampling import scored
 
-_SCORE_ROWS = 256  # prompt positions scored per output projection (prompt_logprobs)
+_SCORE_ELEMENTS = 1 << 22  # logits per output projection of scored prompt positions (prompt_logprobs): 16 MB
 
 
 class ModelRunner:
@@ -57,22 +58,35 @@ class ModelRunner:
                                                        device=self.device)[None]
         with Linear.input_major(self.weights):
             hidden, _ = self.model.hidden_states(input_ids, position_ids=position_ids, cache=view, **lengths)
-            ready, sample_at, end = [], [], 0
+            ready, sample_at, end, scored_rows = [], [], 0, []
             for req, n in plan:
-                scored = req.scored_positions(req.num_computed, req.num_computed + n)
-                for lo in range(scored.start, scored.stop, _SCORE_ROWS):  # bounded (rows, vocab) logits
-                    part = range(lo, min(lo + _SCORE_ROWS, scored.stop))
-                    at = end - req.num_computed
-                    req.score_prompt(part, self.model.lm_head(hidden[0, at + part.start : at + part.stop]))
+                at = end - req.num_computed
+                positions = req.scored_positions(req.num_computed, req.num_computed + n)
+                scored_rows += [(req, p, at + p) for p in positions]
                 req.num_computed += n
                 req.table_len = req.num_computed
                 end += n
                 if req.num_computed == len(req.tokens):
                     ready.append(req)
                     sample_at.append(end - 1)
+            self._score_prompts(hidden[0], scored_rows)
             if not ready:
                 return [], None
             return ready, self.model.lm_head(hidden[0, sample_at]).float()
+
+    def _score_prompts(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
+        """Each (request, prompt position, hidden row): the log-probability of the prompt's next token there,
+        for every request of the step together, through the output projection a bounded block of rows at a
+        time (a block's (rows, vocab) logits stay near _SCORE_ELEMENTS)."""
+        block = max(1, _SCORE_ELEMENTS // self.model.config.vocab_size)
+        for lo in range(0, len(rows), block):
+            part = rows[lo : lo + block]
+            at = torch.tensor([row for _, _, row in part], device=hidden.device)
+            nexts = torch.tensor([req.tokens[p + 1] for req, p, _ in part], device=hidden.device)
+            tops = [req.params.prompt_logprobs for req, _, _ in part]
+            chosen, top = scored(self.model.lm_head(hidden[at]), nexts, tops)
+            for i, (req, p, _) in enumerate(part):
+                req.prompt_logprobs[p + 1] = (chosen[i], top[i] if top is not None else [])
 
     def forget_step_state(self) -> None:
         """Drop what attention backends carry from step to step (after a step that failed half-way)."""
