@@ -3,6 +3,7 @@ being trained, scored by reward functions, with group-relative advantages and a 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -12,6 +13,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ..inference import Engine, SamplingParams
 from .base import Objective, frozen_copy, reference_scope
+from .environments import load_environment
+from .episodes import episode_metrics, row_columns, run_episodes, score_episodes
 from .logprobs import token_logprobs
 from .losses import group_advantages, grpo_loss, rollout_importance_weights
 from .options import (
@@ -68,6 +71,9 @@ class GRPO(Objective):
         zero_std_patience: int = 3,
         engine_page_size: int = 16,
         engine_max_total_tokens: int | None = None,
+        environment: RewardSpec | Callable | None = None,
+        max_turns: int = 4,
+        max_episode_tokens: int | None = None,
         **kwargs: Any,
     ):
         """
@@ -104,6 +110,13 @@ class GRPO(Objective):
                 (frac_reward_zero_std = 1: all advantages are 0 and nothing is learned).
             engine_page_size: Tokens per KV page of the rollout engine.
             engine_max_total_tokens: KV pool of the rollout engine in tokens; None = room for a whole rollout batch.
+            environment: Multi-turn episodes: the import path (or `{path, kwargs}`) of an environment that answers
+                each model turn (tool results, the next user turn) and ends the episode with a reward, e.g.
+                astrai_pl.objectives.environments.Calculator; see environments.py. None = one completion each.
+                With one, reward_funcs may be [] (the environment's reward alone).
+            max_turns: Most model turns of an episode (with an environment).
+            max_episode_tokens: Most tokens of an episode after its prompt, model and environment together
+                (with an environment); None = max_turns × max_completion_length. dr_grpo divides by it.
         """
         refuse_renamed("GRPO", kwargs)  # options.RENAMED_OPTIONS
         check_advantage_options(num_generations, scale_rewards)
@@ -118,11 +131,17 @@ class GRPO(Objective):
                                           vllm_importance_sampling_clip_min)
         require(zero_std_patience >= 1, "GRPO.zero_std_patience", zero_std_patience, "must be >= 1")
         require(engine_page_size >= 1, "GRPO.engine_page_size", engine_page_size, "must be >= 1")
+        require(max_turns >= 1, "GRPO.max_turns", max_turns, "must be >= 1")
+        require(max_episode_tokens is None or max_episode_tokens >= 1, "GRPO.max_episode_tokens",
+                max_episode_tokens, "must be >= 1, or null for max_turns × max_completion_length")
         specs: list[RewardSpec | Callable] = list(DEFAULT_REWARDS if reward_funcs is None else reward_funcs)
         # an unknown import path fails here, before any weights are loaded
-        self.reward_funcs, self.reward_weights = load_reward_funcs(specs, reward_weights)
+        self.environment = load_environment(environment)
+        self.reward_funcs, self.reward_weights = (load_reward_funcs(specs, reward_weights)
+                                                  if specs or self.environment is None else ([], []))
         super().__init__(*args, **kwargs)  # the options of every objective: arch, init_from, … (Objective)
         self.hparams["reward_funcs"] = [spec_name(s) for s in specs]  # plain values: checkpoints load weights_only
+        self.hparams["environment"] = None if environment is None else spec_name(environment)
         # With LoRA the base, adapter switched off, is the KL reference (base.reference_scope): no copy.
         self.ref_model = frozen_copy(self.model) if beta > 0 and self.model.lora_config is None else None
         self.rollout: Rollout | None = None
@@ -158,7 +177,7 @@ class GRPO(Objective):
                 raise ValueError("GRPO.tokenizer is None: completions must be decoded for the reward functions; "
                                  "pass tokenizer= (astrai-pl fit links it from the data module)")
             hp = self.hparams
-            tokens = hp.engine_max_total_tokens or pool_tokens(prompt_ids, hp.num_generations, hp.max_completion_length,
+            tokens = hp.engine_max_total_tokens or pool_tokens(prompt_ids, hp.num_generations, self.completion_length,
                                                                hp.engine_page_size)
             with torch.inference_mode(False):
                 self._engine = Engine(self.model, self.tokenizer, page_size=hp.engine_page_size,
@@ -180,9 +199,7 @@ class GRPO(Objective):
                                 top_k=hp.top_k, n=hp.num_generations, logprobs=True)
         if seed is not None:
             params = [replace(params, seed=seed + i * hp.num_generations) for i in range(len(prompt_ids))]
-        completions, seconds = sample(self.rollout_engine(prompt_ids), prompt_ids, params)
-        per_func, total = score(self.reward_funcs, self.reward_weights,
-                                *reward_inputs(batch, completions, hp.num_generations))
+        completions, per_func, total, metrics = self._sample_and_score(batch, params, hp.num_generations)
         advantages = group_advantages(total.to(self.device), hp.num_generations, scale=hp.scale_rewards)
         parts = micro_batches(prompt_ids, completions, advantages, num_micro_batches, self.tokenizer.pad_token_id,
                               hp.loss_type, hp.mask_truncated_completions)
@@ -196,9 +213,42 @@ class GRPO(Objective):
                 part["old_logps"] = self._logps(self.model, part)
                 if hp.temperature != 1.0 and hp.vllm_importance_sampling_correction:  # later passes need them
                     part["sampler_logps"] = self._logps(self.model, part, temperature=1.0)
-        metrics = {**reward_metrics([n for n, _ in self.reward_funcs], per_func, total, hp.num_generations),
-                   **completion_metrics(completions, seconds)}
+        metrics.update(reward_metrics(self._reward_names, per_func, total, hp.num_generations))
         return Rollout(parts, metrics, self.trainer.global_step if self._trainer is not None else 0)
+
+    @property
+    def completion_length(self) -> int:
+        """Most tokens after a prompt: a completion's, or with an environment an episode's."""
+        hp = self.hparams
+        if self.environment is None:
+            return hp.max_completion_length
+        return hp.max_episode_tokens or hp.max_turns * hp.max_completion_length
+
+    @property
+    def _reward_names(self) -> list[str]:
+        names = [n for n, _ in self.reward_funcs]
+        return names if self.environment is None else [*names, f"env_{self.environment.name}"]
+
+    def _sample_and_score(self, batch: dict[str, list], params, group_size: int):
+        """group_size completions (or episodes, with an environment) per prompt, their per-function rewards
+        (N, F), totals (N,) and the sampling metrics."""
+        prompt_ids, engine = batch["prompt_ids"], self.rollout_engine(batch["prompt_ids"])
+        if self.environment is None:
+            completions, seconds = sample(engine, prompt_ids, params)
+            per_func, total = score(self.reward_funcs, self.reward_weights,
+                                    *reward_inputs(batch, completions, group_size))
+            return completions, per_func, total, completion_metrics(completions, seconds)
+        hp, start = self.hparams, time.perf_counter()
+        engine.weights_changed()  # as rollout.sample: the cached K/V are the old weights'
+        each = params if isinstance(params, list) else [params] * len(prompt_ids)
+        turn = [replace(p, n=1, seed=None if p.seed is None else p.seed + j) for p in each for j in range(group_size)]
+        prompts = batch["prompt"] if "prompt" in batch else batch["prompt_text"]
+        episodes = run_episodes(engine, [p for p in prompt_ids for _ in range(group_size)],
+                                [p for p in prompts for _ in range(group_size)], row_columns(batch, group_size),
+                                self.environment, turn, hp.max_turns, self.completion_length)
+        seconds = time.perf_counter() - start
+        per_func, total = score_episodes(self.reward_funcs, self.reward_weights, batch, episodes, group_size)
+        return episodes, per_func, total, {**completion_metrics(episodes, seconds), **episode_metrics(episodes)}
 
     def _logps(self, model, part: dict[str, Any], temperature: float | None = None) -> torch.Tensor:
         t = self.hparams.temperature if temperature is None else temperature
@@ -221,10 +271,10 @@ class GRPO(Objective):
     def longest_sequence(self, datamodule: Any) -> tuple[str, int] | None:
         """A prompt of max_prompt_len tokens and its longest completion."""
         prompt = getattr(datamodule, "hparams", {}).get("max_prompt_len")
+        what = "max_completion_length" if self.environment is None else "max_episode_tokens"
         if prompt is None:
-            return "model.init_args.max_completion_length", self.hparams.max_completion_length
-        return ("data.init_args.max_prompt_len + model.init_args.max_completion_length",
-                int(prompt) + self.hparams.max_completion_length)
+            return f"model.init_args.{what}", self.completion_length
+        return f"data.init_args.max_prompt_len + model.init_args.{what}", int(prompt) + self.completion_length
 
     # -- training ----------------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
@@ -253,7 +303,7 @@ class GRPO(Objective):
                                                  hp.vllm_importance_sampling_mode, hp.vllm_importance_sampling_clip_max,
                                                  hp.vllm_importance_sampling_clip_min)
         loss, metrics = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
-                                  batch["mask"], hp.epsilon, hp.beta, hp.loss_type, hp.max_completion_length,
+                                  batch["mask"], hp.epsilon, hp.beta, hp.loss_type, self.completion_length,
                                   epsilon_high=hp.epsilon_high, num_items=batch.get("num_items"),
                                   importance_weights=weights)
         if first:
@@ -291,13 +341,14 @@ class GRPO(Objective):
 
     # -- evaluation: greedy completions of held-out prompts, scored by the same reward functions ----------
     def _evaluate(self, batch, stage: str) -> None:
-        prompt_ids = batch["prompt_ids"]
         params = SamplingParams(max_tokens=self.hparams.max_completion_length, temperature=0.0)
-        completions, _ = sample(self.rollout_engine(prompt_ids), prompt_ids, params)
-        per_func, total = score(self.reward_funcs, self.reward_weights, *reward_inputs(batch, completions, 1))
+        completions, per_func, total, metrics = self._sample_and_score(batch, params, 1)
         n = len(completions)
         self.log(f"{stage}/reward", float(total.mean()), on_epoch=True, batch_size=n, prog_bar=True)
-        for j, (name, _) in enumerate(self.reward_funcs):
+        if self.environment is not None:
+            self.log(f"{stage}/episodes/mean_tool_calls", metrics["episodes/mean_tool_calls"], on_epoch=True,
+                     batch_size=n)
+        for j, name in enumerate(self._reward_names):
             self.log(f"{stage}/rewards/{name}/mean", float(per_func[:, j].nanmean()), on_epoch=True, batch_size=n)
 
     def _log_eval_loss(self, stage: str) -> None:

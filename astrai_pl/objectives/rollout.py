@@ -94,7 +94,8 @@ def pack(sequences: Sequence[tuple[Sequence[int], Completion]], pad_id: int, dev
          mask_truncated: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded tensors for (prompt ids, completion) pairs:
 
-    input_ids (B, T) prompt + completion; labels (B, T) the completion's ids, -100 elsewhere; scored
+    input_ids (B, T) prompt + completion; labels (B, T) the completion's ids (its own `labels` where it has
+    them: an episode masks what its environment wrote), -100 elsewhere; scored
     (B, T) 1 at the positions t whose next token t + 1 is a completion token (token_logprobs' layout);
     mask (B, T) the scored positions that train, without truncated completions if `mask_truncated`;
     rollout_logps (B, T) the engine's log-probabilities of those tokens, 0 elsewhere.
@@ -105,7 +106,7 @@ def pack(sequences: Sequence[tuple[Sequence[int], Completion]], pad_id: int, dev
         p, n = len(prompt), len(c.token_ids)
         pad = width - p - n
         ids.append([*prompt, *c.token_ids] + [pad_id] * pad)
-        labels.append([IGNORE_INDEX] * p + list(c.token_ids) + [IGNORE_INDEX] * pad)
+        labels.append([IGNORE_INDEX] * p + list(getattr(c, "labels", c.token_ids)) + [IGNORE_INDEX] * pad)
         logps.append([0.0] * (p - 1) + list(c.logprobs or [0.0] * n) + [0.0] * (pad + 1))
         keep.append(not (mask_truncated and c.finish_reason == "length"))
     labels_t = torch.tensor(labels, device=device)
