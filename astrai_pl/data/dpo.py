@@ -15,7 +15,8 @@ from .base import RowsData
 from .packing import IGNORE_INDEX, column_of, ragged, row_lengths
 from .preflight import check_trained_tokens, describe_example
 from .rows import DataError, log_skipped
-from .sources import Encoded, announce, train_sampler
+from .sampling import resumable_loader
+from .sources import Encoded, announce
 from .windows import pairs_in, windowed
 
 SIDES = ("chosen", "rejected")
@@ -131,14 +132,20 @@ class DPOData(RowsData):
                     ["chosen equals rejected"] * len(same))
         return same
 
-    def _loader(self, dataset: Dataset, **kwargs) -> DataLoader:
-        collate = partial(collate_pairs, pad_id=self.tokenizer.pad_token_id, max_seq_len=self.hparams.max_seq_len)
-        return DataLoader(dataset.with_format(None), batch_size=self.hparams.batch_size, collate_fn=collate,
-                          num_workers=self.hparams.num_workers, **kwargs)
+    def _collate(self):
+        return partial(collate_pairs, pad_id=self.tokenizer.pad_token_id, max_seq_len=self.hparams.max_seq_len)
+
+    def _loader(self, dataset: Dataset) -> DataLoader:
+        return DataLoader(dataset.with_format(None), batch_size=self.hparams.batch_size, collate_fn=self._collate(),
+                          num_workers=self.hparams.num_workers)
 
     def train_dataloader(self):
-        sampler = train_sampler(self.train_set, self.hparams.seed, self.trainer)
-        return windowed(self._loader(self.train_set, sampler=sampler), self.trainer, pairs_in, "window_pairs")
+        """Shuffled pairs split over the data-parallel ranks, tagged per accumulation window; the position is
+        saved in checkpoints (`sampling.StatefulLoader`), so a resumed run continues with the next batch."""
+        hp = self.hparams
+        loader = resumable_loader(self.train_set.with_format(None), hp.batch_size, hp.seed, self.trainer,
+                                  self._collate(), num_workers=hp.num_workers)
+        return windowed(loader, self.trainer, pairs_in, "window_pairs")
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set)

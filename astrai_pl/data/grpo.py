@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 from .base import RowsData
 from .packing import row_lengths
 from .rows import DataError, log_skipped
-from .sources import Encoded, announce, reward_fields, train_sampler
+from .sampling import StatefulLoader, resumable_loader
+from .sources import Encoded, announce, reward_fields
 
 PROMPT_TRUNCATIONS = ("left", "drop")
 
@@ -100,19 +101,20 @@ class GRPOData(RowsData):
         log_skipped([missing[i] for i in sorted(missing)], encoded.name, encoded.dropped)
         return rows.select(np.setdiff1d(np.arange(len(rows)), list(missing))) if missing else rows
 
-    def _loader(self, dataset: Dataset, **kwargs) -> DataLoader:
+    def _loader(self, dataset: Dataset) -> DataLoader:
         return DataLoader(
             dataset.with_format(None),
             batch_size=self.hparams.batch_size,
             collate_fn=partial(collate_prompts, tokenizer=self.tokenizer),
             num_workers=self.hparams.num_workers,
-            **kwargs,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(
-            self.train_set, sampler=train_sampler(self.train_set, self.hparams.seed, self.trainer)
-        )
+    def train_dataloader(self) -> StatefulLoader:
+        """Shuffled prompts split over the data-parallel ranks; the position is saved in checkpoints, so a
+        resumed run rolls out the prompts the interrupted one would have."""
+        hp = self.hparams
+        return resumable_loader(self.train_set.with_format(None), hp.batch_size, hp.seed, self.trainer,
+                                partial(collate_prompts, tokenizer=self.tokenizer), num_workers=hp.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set)

@@ -16,7 +16,8 @@ from .base import RowsData
 from .dpo import DPO_TRUNCATIONS, _labels
 from .packing import IGNORE_INDEX, row_lengths
 from .preflight import check_trained_tokens, describe_example
-from .sources import Encoded, announce, train_sampler
+from .sampling import resumable_loader
+from .sources import Encoded, announce
 from .windows import windowed
 
 KTO_COLUMNS = ("input_ids", "loss_mask", "prompt_length", "label")
@@ -116,8 +117,11 @@ class KTOData(RowsData):
                           num_workers=self.hparams.num_workers, **kwargs)
 
     def train_dataloader(self):
-        sampler = train_sampler(self.train_set, self.hparams.seed, self.trainer)
-        return windowed(self._loader(self.train_set, sampler=sampler), self.trainer, examples_in, "window_examples")
+        hp = self.hparams
+        collate = partial(collate_unpaired, pad_id=self.tokenizer.pad_token_id, max_seq_len=hp.max_seq_len)
+        loader = resumable_loader(self.train_set.with_format(None), hp.batch_size, hp.seed, self.trainer, collate,
+                                  num_workers=hp.num_workers)
+        return windowed(loader, self.trainer, examples_in, "window_examples")
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set)

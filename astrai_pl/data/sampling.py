@@ -9,6 +9,7 @@ to `StatefulLoader` and gets resumption for free.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,17 @@ def data_parallel_rank(trainer: Any) -> tuple[int, int]:
     """(rank, number of replicas) among data-parallel processes; tensor-parallel peers share a rank."""
     kwargs = getattr(getattr(trainer, "strategy", None), "distributed_sampler_kwargs", None) or {}
     return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
+
+
+def resumable_loader(
+    dataset: Any, batch_size: int, seed: int, trainer: Any, collate_fn: Callable[[list], Any], *, num_workers: int = 0
+) -> StatefulLoader:
+    """A data module's train loader: `dataset` shuffled by seed and epoch, split over the trainer's
+    data-parallel ranks (the last batch smaller, none dropped), its position saved in checkpoints."""
+    rank, replicas = data_parallel_rank(trainer)
+    plan = partial(shuffled_batches, len(dataset), batch_size, seed=seed, drop_last=False, rank=rank,
+                   world_size=replicas)
+    return StatefulLoader(dataset, plan, collate_fn, num_workers=num_workers)
 
 
 class StatefulLoader:

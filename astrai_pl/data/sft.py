@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from .base import RowsData
 from .packing import check_options, collate, pack_rows
 from .preflight import check_trained_tokens, describe_example
-from .sampling import StatefulLoader, data_parallel_rank, shuffled_batches
+from .sampling import resumable_loader
 from .sources import Encoded, announce
 from .windows import windowed
 
@@ -87,22 +87,9 @@ class SFTData(RowsData):
         """Shuffled examples split over the data-parallel ranks, tagged per accumulation window; the
         position (epoch, batches handed out) is saved in checkpoints, so a resumed run continues exactly."""
         hp = self.hparams
-        rank, replicas = data_parallel_rank(self.trainer)
-        plan = partial(
-            shuffled_batches,
-            len(self.train_set),
-            hp.batch_size,
-            seed=hp.seed,
-            drop_last=False,
-            rank=rank,
-            world_size=replicas,
-        )
-        loader = StatefulLoader(
-            self.train_set,
-            plan,
-            partial(collate, pad_id=self.tokenizer.pad_token_id),
-            num_workers=hp.num_workers,
-        )
+        collate_fn = partial(collate, pad_id=self.tokenizer.pad_token_id)
+        loader = resumable_loader(self.train_set, hp.batch_size, hp.seed, self.trainer, collate_fn,
+                                  num_workers=hp.num_workers)
         return windowed(loader, self.trainer)
 
     def val_dataloader(self) -> DataLoader:
