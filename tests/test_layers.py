@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "astrai_pl"
 
 # Top to bottom; a module may import its own layer and the layers below. "" is astrai_pl/__init__.py.
 LAYERS = (
-    ("cli", "demo", "sweep", "config_reference"),  # entry points
+    ("verbs", "cli", "demo", "sweep", "config_reference"),  # entry points (verbs: `astrai-pl`'s table of verbs)
     ("serve",),  # the HTTP server
     ("callbacks",),  # side concerns of a training run
     ("evaluation",),  # lm-eval over the engine: the evaluate verb and the Evaluate callback use it
@@ -22,7 +22,7 @@ LAYERS = (
     ("data", "inference"),
     ("checkpoint",),  # persistence below everything that trains or serves
     ("model", "tokenizer"),
-    ("ops", "jsonl", "atomic"),
+    ("ops", "jsonl", "atomic", "warning_filters"),
     ("",),
 )
 
