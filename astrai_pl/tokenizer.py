@@ -29,10 +29,30 @@ BYTE_OFFSET = len(BYTE_SPECIALS) + len(BYTE_RESERVED)  # id of byte 0 in the byt
 BYTE_SPECIAL_TOKENS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 UNBOUNDED_LENGTH = int(1e30)  # the model_max_length transformers writes when no limit is known
+# ChatML; with `tools`, their schemas follow the system prompt, an assistant's `tool_calls` are written as
+# <tool_call> JSON after its content, and consecutive `tool` results share one user turn (Qwen2.5's layout)
 CHATML_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nThese functions may be called:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + tool | tojson }}{% endfor %}"
+    "{{ '\n</tools>\n\nCall one by writing {\"name\": <name>, \"arguments\": <arguments>} between "
+    "<tool_call> and </tool_call>.<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% elif message['tool_calls'] %}{{ '<|im_start|>assistant\n' }}"
+    "{% if message['content'] %}{{ message['content'] + '\n' }}{% endif %}"
+    "{% for call in message['tool_calls'] %}{% set f = call['function'] %}"
+    "{% if not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}{{ '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -250,6 +270,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of `text` (no added specials) and each token's (start, end) character span in it."""
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]

@@ -24,6 +24,7 @@ When every section trains and none uses a template, rows carry no `loss_mask` (e
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +34,9 @@ from astrai_pl.model.config import ConfigError
 from .rows import DataError, check_messages, require_field, require_text
 
 ACTIONS = ("train", "mask")
-DEFAULT_ROLES = {"system": "mask", "user": "mask", "assistant": "train"}
-PROMPT_ROLES = {"system": "mask", "user": "mask", "assistant": "mask"}
+DEFAULT_ROLES = {"system": "mask", "user": "mask", "assistant": "train", "tool": "mask"}
+PROMPT_ROLES = {"system": "mask", "user": "mask", "assistant": "mask", "tool": "mask"}
+TOOLS_FIELD = "tools"  # a row's own tool schemas (a list, or that list as a JSON string)
 
 Piece = tuple[str | list[int], int]  # text to encode (or literal ids) and the mask value of its tokens
 
@@ -48,13 +50,16 @@ class Section:
     action: str = "train"
     """Non-template sections: 'train' (tokens count in the loss) or 'mask' (they do not)."""
     template: bool = False
-    """Render the field through the tokenizer's chat template, message by message."""
+    """Render the field through the tokenizer's chat template, message by message (whole, with tools)."""
     roles: dict[str, str] = dataclasses.field(default_factory=lambda: dict(DEFAULT_ROLES))
     """Template sections: 'train' or 'mask' per message role; a role not listed is an error in the data."""
     role: str | None = None
     """Template sections: the role a plain-string value is given (e.g. 'user' for a string prompt)."""
     eos: bool = False
     """Non-template sections: append the EOS token (with this section's action) after the text."""
+    tools: list[dict[str, Any]] | None = None
+    """Template sections: JSON schemas of the tools every conversation is rendered with (the template's
+    `tools`); a row's own `tools` field wins."""
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -69,6 +74,9 @@ class Section:
                 f"Section(field={self.field!r}).role={self.role!r} has no rule in roles "
                 f"{sorted(self.roles)}; add it to roles or pick one of them"
             )
+        if self.tools is not None and not self.template:
+            raise ConfigError(f"Section(field={self.field!r}) sets tools without template=True; tool schemas "
+                              "reach the chat template only")
         if self.template and self.eos:
             raise ConfigError(
                 f"Section(field={self.field!r}) sets eos with template=True; the template "
@@ -118,13 +126,73 @@ def section_value(row: dict[str, Any], section: Section) -> str | list[dict[str,
         return require_text(value, section.field)
     if isinstance(value, str) and section.role is not None:
         return [{"role": section.role, "content": value}]
-    return check_messages(value, section.field, section.roles)
+    if isinstance(value, list):
+        value = [_tool_call_message(m, f"{section.field}[{i}]") for i, m in enumerate(value)]
+    checked = [{**m, "content": m.get("content") or ""} if "tool_calls" in m else m for m in value]
+    check_messages(checked, section.field, section.roles)
+    return value
+
+
+def _drop_nulls(value: Any) -> Any:
+    """`value` without the null entries of its objects: a jsonl read through `datasets` gives every object of
+    a column the keys of all of them, null where absent (tool arguments, tool schemas)."""
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    return [_drop_nulls(v) for v in value] if isinstance(value, list) else value
+
+
+def _tool_call_message(message: Any, where: str) -> Any:
+    """An assistant message with `tool_calls` checked (OpenAI's shape: [{"type": "function", "function":
+    {"name", "arguments"}}], arguments an object or a JSON string) and its nulls dropped; others as given."""
+    if not isinstance(message, dict) or message.get("tool_calls") is None:
+        return message
+    calls = message["tool_calls"]
+    fix = 'write tool_calls as [{"type": "function", "function": {"name": "...", "arguments": {...}}}]'
+    if message.get("role") != "assistant" or not isinstance(calls, list) or not calls:
+        raise DataError(f"tool_calls must be a non-empty list on an assistant message, got {calls!r:.80}",
+                        f"{where}.tool_calls", fix)
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DataError(f"a tool call needs function.name, got {call!r:.80}", f"{where}.tool_calls[{j}]", fix)
+        if not isinstance(function.get("arguments"), (dict, str)):
+            raise DataError(f"function.arguments must be an object or a JSON string, got {call!r:.80}",
+                            f"{where}.tool_calls[{j}].function.arguments", fix)
+    message = {**message, "tool_calls": _drop_nulls(calls)}
+    return {k: v for k, v in message.items() if not (k == "content" and v is None)}
+
+
+def row_tools(row: dict[str, Any], section: Section) -> list[dict[str, Any]] | None:
+    """The tool schemas a template section renders the row with: the row's `tools` (a list or its JSON
+    string) or else the section's; None when neither gives any."""
+    value = row.get(TOOLS_FIELD)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise DataError(f"not valid JSON ({err})", TOOLS_FIELD, "store the tool schemas as a list or as "
+                            "its JSON text") from err
+    if value is None:
+        value = section.tools
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(f"expected a list of tool schemas (objects), got {value!r:.80}", TOOLS_FIELD,
+                        'give tools as [{"type": "function", "function": {"name": ..., "parameters": ...}}]')
+    return _drop_nulls(value)
+
+
+def uses_tools(messages: list[dict[str, Any]], tools: list | None) -> bool:
+    """Whether a conversation has tool schemas, tool calls or tool results (rendered whole, not per message)."""
+    return bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
 
 
 def check_row(row: dict[str, Any], sections: Sequence[Section]) -> None:
     """Raise DataError (field named, no location) if the row cannot be encoded with `sections`."""
     for section in sections:
         section_value(row, section)
+        if section.template:
+            row_tools(row, section)
 
 
 def render_message(tokenizer: Any, message: dict[str, Any], field: str) -> str:
@@ -170,9 +238,77 @@ def _message_pieces(
     return pieces
 
 
+def _render(tokenizer: Any, messages: list[dict[str, Any]], field: str, **options: Any) -> str:
+    """The conversation rendered whole through the chat template, without a BOS the template may add."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    except Exception as err:  # a template's raise_exception, jinja errors
+        raise DataError(f"the chat template failed on this conversation: {err}", field,
+                        "fix the conversation (e.g. a tool call the template cannot render) or the template") from err
+    bos = getattr(tokenizer, "bos_token", None)
+    return text[len(bos):] if bos and text.startswith(bos) else text
+
+
+def _shared(a: str, b: str) -> int:
+    """Length of the common prefix of a and b."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _conversation_pieces(
+    messages: list[dict[str, Any]], section: Section, tokenizer: Any, tools: list | None
+) -> list[Piece]:
+    """The conversation rendered whole (tools in the system or first user turn, consecutive tool results
+    grouped, as the template decides), encoded once, so the ids are `apply_chat_template(messages,
+    tools=tools, tokenize=True)`'s. A trained message's span is where the render of the messages up to
+    and including it stops agreeing with the whole; it starts after the assistant header the template
+    writes for `add_generation_prompt` at that point (the prompt supplies it at inference)."""
+    options = {"tools": tools} if tools else {}
+    whole = _render(tokenizer, messages, section.field, **options)
+    spans: dict[int, tuple[int, int]] = {}  # trained message -> its characters in `whole`
+    for k, message in enumerate(messages):
+        if section.roles[message["role"]] != "train":
+            continue
+        start = _shared(_render(tokenizer, messages[:k], section.field, add_generation_prompt=True, **options),
+                        whole) if k else 0
+        spans[k] = (start, _shared(_render(tokenizer, messages[: k + 1], section.field, **options), whole))
+    _check_tools_written(whole, messages, tools, spans, section.field)
+    ids, offsets = tokenizer.encode_with_offsets(whole)
+    pieces: list[Piece] = []
+    for token, (begin, _) in zip(ids, offsets):
+        trained = int(any(a <= begin < b for a, b in spans.values()))
+        if pieces and pieces[-1][1] == trained:
+            pieces[-1][0].append(token)
+        else:
+            pieces.append(([token], trained))
+    return pieces
+
+
+def _check_tools_written(
+    whole: str, messages: list[dict[str, Any]], tools: list | None, spans: dict[int, tuple[int, int]], field: str
+) -> None:
+    """A template that ignores `tools` or `tool_calls` would train the model on conversations without them:
+    every tool's name must appear in the render, every call's name in the turn that makes it."""
+    fix = "use a chat template that renders tools and tool_calls (e.g. Qwen2.5's or Llama 3.1's)"
+    for tool in tools or []:
+        name = (tool.get("function") or tool).get("name")
+        if isinstance(name, str) and name not in whole:
+            raise DataError(f"the chat template does not write the tool schemas (tool {name!r} is absent)",
+                            TOOLS_FIELD, fix)
+    for k, (start, end) in spans.items():
+        for call in messages[k].get("tool_calls") or []:
+            name = call["function"]["name"]
+            if name not in whole[start:end]:
+                raise DataError(f"the chat template does not write the tool call {name!r}",
+                                f"{field}[{k}].tool_calls", fix)
+
+
 def section_pieces(row: dict[str, Any], section: Section, tokenizer: Any, header: str) -> list[Piece]:
     value = section_value(row, section)
     if section.template:
+        tools = row_tools(row, section)
+        if uses_tools(value, tools):
+            return _conversation_pieces(value, section, tokenizer, tools)
         return _message_pieces(value, section, tokenizer, header)
     trained = int(section.action == "train")
     return [(value, trained), ([tokenizer.eos_token_id], trained)] if section.eos else [(value, trained)]
