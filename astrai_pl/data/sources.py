@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DistributedSampler, RandomSampler, Sampler
 
 from ..model.config import ConfigError
 from .corpus import is_held_out
@@ -264,17 +262,6 @@ def hold_out(encoded: Encoded, fraction: float, seed: int) -> dict[str, Encoded]
 
 
 # --- loaders -------------------------------------------------------------------------------------
-
-
-def train_sampler(dataset: Any, seed: int, trainer: Any) -> Sampler:
-    """A seeded shuffle; sharded over ranks when the trainer has several (Lightning cannot inject its
-    DistributedSampler into the windowed loader, so the data module does it)."""
-    world = getattr(trainer, "world_size", 1) if trainer is not None else 1
-    if world > 1:
-        return DistributedSampler(
-            dataset, num_replicas=world, rank=trainer.global_rank, shuffle=True, seed=seed
-        )
-    return RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
 
 
 def model_vocab_size(trainer: Any) -> int | None:
