@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..data.synthetic import exact_match
-from .rewards import RewardError, RewardSpec, load_reward_func
+from .rewards import RewardError, RewardSpec, load_reward_func, spec_name
 
 
 class EnvironmentSpecError(RewardError):
@@ -93,6 +93,16 @@ def load_environment(spec: RewardSpec | Callable | None, where: str = "GRPO.envi
     if not all(isinstance(s, str) and s for s in stop):
         raise EnvironmentSpecError(f"{where}: {name}.stop={stop!r}; give a list of non-empty strings")
     return Environment(name, step, stop)
+
+
+def environment_spec_name(spec: Any) -> Any:
+    """A plain, checkpoint-safe form of an environment spec: an object given in Python becomes its class's
+    import path, a callable its own."""
+    if spec is None or isinstance(spec, (str, dict)):
+        return spec
+    if hasattr(spec, "step") and not inspect.isclass(spec):
+        spec = type(spec)
+    return spec_name(spec)
 
 
 # -- the calculator tool on the arithmetic task ---------------------------------------------------------

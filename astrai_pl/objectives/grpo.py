@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ..inference import Engine, SamplingParams
 from .base import Objective, frozen_copy, reference_scope
-from .environments import load_environment
+from .environments import environment_spec_name, load_environment
 from .episodes import episode_metrics, row_columns, run_episodes, score_episodes
 from .logprobs import token_logprobs
 from .losses import group_advantages, grpo_loss, rollout_importance_weights
@@ -141,7 +141,7 @@ class GRPO(Objective):
                                                   if specs or self.environment is None else ([], []))
         super().__init__(*args, **kwargs)  # the options of every objective: arch, init_from, … (Objective)
         self.hparams["reward_funcs"] = [spec_name(s) for s in specs]  # plain values: checkpoints load weights_only
-        self.hparams["environment"] = None if environment is None else spec_name(environment)
+        self.hparams["environment"] = environment_spec_name(environment)
         # With LoRA the base, adapter switched off, is the KL reference (base.reference_scope): no copy.
         self.ref_model = frozen_copy(self.model) if beta > 0 and self.model.lora_config is None else None
         self.rollout: Rollout | None = None

@@ -88,6 +88,7 @@ def test_an_episode_masks_the_tool_output_and_trains_the_models_tokens():
         assert all(part["scored"][row, i - 1] == 0 and part["rollout_logps"][row, i - 1] == 0 for i in span)
     assert rollout.metrics["episodes/mean_tool_calls"] == 1.0 and rollout.metrics["episodes/end_done"] == 1.0
     assert rollout.metrics["rewards/env_Scripted/mean"] == 1.0
+    assert module.hparams["environment"].endswith("test_episodes.Scripted")  # plain: checkpoints load weights_only
     with torch.no_grad():  # the sessions' log-probs are those of the training forward, turn after turn
         logps = token_logprobs(module.model, part["input_ids"], part["labels"])
     assert float(((logps - part["rollout_logps"]).abs() * part["scored"]).max()) < 1e-4
