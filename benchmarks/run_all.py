@@ -34,6 +34,7 @@ BENCHES = {  # name: (script, arguments); in the order they run
     "eval": ("bench_eval.py", []),
     "rwkv": ("bench_rwkv.py", []),
     "serve": ("bench_serve.py", ["--repeats", "3", "--budget", "60"]),
+    "streaming": ("bench_streaming.py", ["--size-gb", "2", "--consume-gb", "0.5"]),
 }
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench-table:begin -->", "<!-- bench-table:end -->"

@@ -25,6 +25,7 @@ from .preflight import check_model_fit
 from .rows import DataError
 from .sampling import StatefulLoader, data_parallel_rank, shuffled_batches
 from .sources import model_vocab_size
+from .streaming import StreamingCorpus
 
 
 def default_cache_dir() -> Path:
@@ -86,7 +87,7 @@ class PretrainData(L.LightningDataModule):
 
     def __init__(
         self,
-        path: str | None = None,
+        path: str | list[str] | None = None,
         tokenizer: str = "byte",
         seq_len: int = 256,
         batch_size: int = 16,
@@ -96,10 +97,16 @@ class PretrainData(L.LightningDataModule):
         num_workers: int = 0,
         cache_dir: str | None = None,
         seed: int = 0,
+        streaming: bool = False,
+        sources: list[dict] | None = None,
+        val_rows: int = 64,
+        val_path: str | list[str] | None = None,
+        shuffle_rows: int = 1024,
     ):
         """
         Args:
             path: Local txt/json/jsonl/parquet file, a saved `datasets` directory or a hub name; None = embedded corpus.
+                With streaming also a glob or a list of files (jsonl/json, parquet, txt, arrow, csv).
             tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
             seq_len: Tokens per training window.
             batch_size: Windows per micro-batch.
@@ -108,18 +115,29 @@ class PretrainData(L.LightningDataModule):
             num_proc: Processes for tokenization (`Dataset.map`).
             num_workers: DataLoader worker processes.
             cache_dir: Where tokenized windows are cached between runs (default ~/.cache/astrai_pl or $ASTRAI_CACHE).
-            seed: Seed of the held-out split and of the shuffle.
+            seed: Seed of the held-out split and of the shuffle (and, streaming, of the mixture).
+            streaming: Read the files lazily, tokenize on the fly and never hold the corpus in memory (needs
+                trainer.max_steps); the stream's position is saved in checkpoints. See docs/data.md.
+            sources: Streaming only: several weighted sources instead of `path`, `[{path, weight, name}]`
+                (path: a file, a glob or a list; weight default 1; name default the first file's stem).
+            val_rows: Streaming only: the first val_rows documents of each source's first file are held out
+                for validation (never trained), or the first val_rows of val_path when given.
+            val_path: Streaming only: files (a path, glob or list) to validate on instead of held-out rows.
+            shuffle_rows: Streaming only: documents read, shuffled and tokenized together (0: file order).
         """
         super().__init__()
         if seq_len < 2:
             raise ValueError(f"PretrainData.seq_len={seq_len}: need at least 2 tokens per window")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"PretrainData.val_fraction={val_fraction}: must lie in (0, 1)")
+        if not streaming and (sources is not None or val_path is not None or not isinstance(path, (str, type(None)))):
+            raise ValueError("PretrainData: sources, val_path and a list of files need streaming: true")
         self.save_hyperparameters()
         self.tokenizer = load_tokenizer(tokenizer)
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self.stream: StreamingCorpus | None = None
 
     def _cache_key(self) -> str:
         hp = self.hparams
@@ -129,10 +147,15 @@ class PretrainData(L.LightningDataModule):
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def prepare_data(self) -> None:
-        self._load_or_build()
+        if not self.hparams.streaming:
+            self._load_or_build()
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_set is None:
+        if self.hparams.streaming and self.stream is None:
+            check_model_fit(self.tokenizer, model_vocab_size(self.trainer))
+            self.stream = StreamingCorpus(self.hparams, self.tokenizer, self.cache_dir)
+            self.val_set = [{"input_ids": w} for w in self.stream.val_windows]
+        if self.train_set is None and not self.hparams.streaming:
             self.train_set, self.val_set = self._load_or_build()
 
     def _load_or_build(self) -> tuple[Dataset, Dataset]:
@@ -176,6 +199,8 @@ class PretrainData(L.LightningDataModule):
     def train_dataloader(self) -> StatefulLoader:
         """Shuffled windows split over the data-parallel ranks; the position is saved in checkpoints."""
         hp = self.hparams
+        if hp.streaming:
+            return self.stream.train_loader(self.trainer)
         rank, replicas = data_parallel_rank(self.trainer)
         plan = functools.partial(shuffled_batches, len(self.train_set), hp.batch_size, seed=hp.seed, rank=rank,
                                  world_size=replicas)
@@ -186,3 +211,7 @@ class PretrainData(L.LightningDataModule):
                           num_workers=self.hparams.num_workers)
 
     test_dataloader = val_dataloader
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        """A streamed train batch: the saved stream position moves past it (see data/streaming.py)."""
+        return batch if self.stream is None else self.stream.on_batch(batch, self.trainer)
