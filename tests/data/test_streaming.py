@@ -106,7 +106,8 @@ def test_the_realised_mixture_follows_the_weights_and_the_seed(corpus):
 
     def draws(seed):
         streams = [SourceStream(s, i, tok, "text", seed, 8) for i, s in enumerate(sources)]
-        return [WindowStream(streams, 8, seed).source_of(k) for k in range(6000)]
+        windows = WindowStream(streams, 8, seed)
+        return [windows.source_of(k) for k in range(6000)]
 
     picks = draws(0)
     shares = [picks.count(i) / len(picks) for i in range(3)]
@@ -178,3 +179,25 @@ def test_a_text_that_is_not_a_string_names_the_file_and_row(tmp_path):
 def test_streaming_options_need_streaming(corpus):
     with pytest.raises(ValueError, match="streaming: true"):
         PretrainData(sources=[{"path": str(corpus / "code.txt")}])
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".arrow"])
+def test_parquet_csv_and_arrow_files_stream(tmp_path, suffix):
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    texts = [f"row {i} of a table" for i in range(12)]
+    table, path = pa.table({"text": texts, "n": list(range(12))}), tmp_path / f"t{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(table, path)
+    elif suffix == ".csv":
+        pacsv.write_csv(table, path)
+    else:
+        with pa.ipc.new_stream(path, table.schema) as writer:
+            writer.write_table(table)
+    tok = Tokenizer.byte_level()
+    source = StreamSource("t", (str(path),))
+    stream = WindowStream([SourceStream(source, 0, tok, "text", 0, shuffle_rows=0)], seq_len=5, seed=0)
+    flat = [t for doc in texts for t in (*tok.encode(doc), tok.eos_token_id)]
+    assert [t for _ in range(len(flat) // 5) for t in stream.next_window()] == flat[:len(flat) // 5 * 5]
