@@ -7,6 +7,13 @@ lists back (`release`, `check`). Two layouts:
 - paged (page_size ≥ 1): pages are taken from the free list on demand, the radix cache shares full pages;
 - contiguous: one page per request spanning the whole context, so req_to_token is a linear map
   (slot = base + position) and nothing is shared.
+
+When every layer of the model slides (`window`: the widest of them), a running request's pages wholly
+before the window of its next position are released (`slide`): in the holder's list such a page becomes
+`dead_page`, one page past the allocator's that is never handed out or written, so its slots stay zero.
+Positions keep mapping to slots through the list, and req_to_token points released positions at the
+dead page: a gather that spans them (masked out by the window) reads zeros, never a slot that another
+request owns now. Nothing counts references to the dead page.
 """
 
 from __future__ import annotations
@@ -47,10 +54,21 @@ class PoolUsage:
         return self.free * self.page_size
 
 
+def release_window(cfg) -> int | None:
+    """The widest window when every layer slides (earlier positions are never attended again); None when a
+    layer sees the whole context."""
+    windows = [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
+    return None if not windows or None in windows else max(windows)
+
+
 class KVPool:
-    def __init__(self, storage: KVStorage, req_to_token: ReqToTokenPool, page_size: int, prefix_cache: bool):
+    def __init__(self, storage: KVStorage, req_to_token: ReqToTokenPool, page_size: int, prefix_cache: bool,
+                 window: int | None = None):
+        """window: release pages before it (every layer slides); storage then holds one page more, the dead page."""
         self.storage, self.req_to_token, self.page_size = storage, req_to_token, page_size
-        self.allocator = PageAllocator(storage.num_slots // page_size, page_size)
+        num_pages = storage.num_slots // page_size - (window is not None)
+        self.window, self.dead_page = window, num_pages if window is not None else None
+        self.allocator = PageAllocator(num_pages, page_size)
         self.radix = RadixCache(self.allocator) if prefix_cache else None
         self.evicted_pages = 0
 
@@ -79,7 +97,39 @@ class KVPool:
         return self.allocator.allocate(n)
 
     def release(self, pages: list[int]) -> None:
-        self.allocator.decref(pages)
+        self.allocator.decref(self.live(pages))
+
+    def live(self, pages: list[int]) -> list[int]:
+        """`pages` without the dead page (positions released by `slide`)."""
+        return pages if self.dead_page is None else [p for p in pages if p != self.dead_page]
+
+    def slide(self, pages: list[int], num_computed: int, row: int, table_len: int) -> int:
+        """Release a holder's pages wholly before the window of its next position `num_computed` (it sees
+        positions > num_computed − window), in place: each becomes the dead page in `pages` and in
+        req_to_token[row] (written up to `table_len`). Returns the number of pages released.
+
+        Released pages are always a prefix of `pages`. Pages in the radix cache (a published prompt, the
+        leading run) go all at once, when the window has passed the last of them: a cached node's pages are
+        then held together or not at all, so what is counted evictable can always be evicted.
+        """
+        ps, dead, cached = self.page_size, self.dead_page, self.allocator.cached
+        end = min(max(0, num_computed + 1 - self.window) // ps, len(pages))
+        if end == 0 or pages[end - 1] == dead:
+            return 0
+        start = end
+        while start > 0 and pages[start - 1] != dead and not cached[pages[start - 1]]:
+            start -= 1  # back over private pages to the released ones, or to the cached run
+        if start > 0 and pages[start - 1] != dead:  # the cached run ends at `start`, or goes on past `end`
+            if start == end and end < len(pages) and cached[pages[end]]:
+                return 0
+            start = 0
+        freed, pages[start:end] = pages[start:end], [dead] * (end - start)
+        self.allocator.decref(freed)
+        stop = min(end * ps, table_len)
+        if stop > start * ps:
+            positions = list(range(start * ps, stop))
+            self.req_to_token.write([row] * len(positions), positions, self.slots(pages, start * ps, stop))
+        return end - start
 
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], int]:
         """Cached pages of the longest page-aligned prefix of `tokens`, referenced for the caller."""
@@ -95,7 +145,7 @@ class KVPool:
         A page the cache already held for the same prefix replaces the caller's copy, which is released.
         """
         full = num_computed // self.page_size
-        if self.radix is None or full == 0:
+        if self.radix is None or full == 0 or pages[0] == self.dead_page:  # released: no whole prefix left
             return pages
         cached = self.radix.insert(tokens[: full * self.page_size], pages[:full])
         dupes = [mine for mine, theirs in zip(pages[:full], cached) if mine != theirs]
@@ -115,7 +165,7 @@ class KVPool:
                 return None
             offsets = torch.arange(tail, device=self.storage.k.device)
             self.storage.copy(offsets + pages[full] * self.page_size, offsets + copy[0] * self.page_size)
-        self.allocator.incref(pages[:full])
+        self.allocator.incref(self.live(pages[:full]))
         return pages[:full] + copy
 
     # -- accounting -----------------------------------------------------------------------------------------
@@ -140,7 +190,7 @@ class KVPool:
         a = self.allocator
         expected = [0] * a.num_pages
         for pages in holders:
-            for p in pages:
+            for p in self.live(pages):
                 expected[p] += 1
         in_tree = [False] * a.num_pages
         for node in self.radix.nodes() if self.radix is not None else ():
@@ -200,6 +250,8 @@ def build_pool(cfg, device, dtype, page_size, max_total_tokens, max_batch_size, 
         raise EngineConfigError(
             f"Engine max_total_tokens={max_total_tokens} holds no page of {page_size} tokens; raise it"
         )
-    storage = KVStorage.for_model(cfg, max_total_tokens // page_size * page_size, dtype, device)
+    window = release_window(cfg) if page_size < max_context else None  # contiguous: nothing to release
+    pages = max_total_tokens // page_size + (window is not None)  # and the dead page
+    storage = KVStorage.for_model(cfg, pages * page_size, dtype, device)
     table = ReqToTokenPool(max_batch_size, max_context, device)
-    return KVPool(storage, table, page_size, prefix_cache), max_context
+    return KVPool(storage, table, page_size, prefix_cache, window), max_context

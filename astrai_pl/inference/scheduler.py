@@ -14,6 +14,10 @@ preempted: its computed full pages go to the radix cache (where they stay if not
 K/V came from a session file are never cached), the rest is freed, and it rejoins the queue at the
 front to be recomputed.
 
+When every layer slides (Mistral), each running request first gives back the pages wholly before the
+window of its next position (`KVPool.slide`), except a session's turn (the session keeps, saves and
+forks whole conversations) and a prompt not yet in the radix cache (its pages are kept until it is).
+
 LongRoPE models (Phi-3) rotate every key of a sequence longer than the original length by the long factors,
 so a request whose keys were computed within that length is preempted once, at its first step past it, and
 recomputed whole, as transformers' generate does; a session's turn that passes it starts from scratch.
@@ -51,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.released_pages = 0  # pages given back from before every layer's window
         self.long_rope_after = long_rope_after  # longrope: the original length, past which keys are re-rotated
         self._rotated_long: weakref.WeakSet[Request] = weakref.WeakSet()
 
@@ -73,6 +78,9 @@ class Scheduler:
         """(request, tokens to compute) for the next forward; 0 tokens: sample from ready logits."""
         plan: list[tuple[Request, int]] = []
         budget, preemptions = self.max_step_tokens, self.preemptions
+        if self.pool.window is not None:
+            for req in self.running:
+                self._slide(req)
         for req in list(self.running):  # decodes, oldest first
             if req in self.running and req.remaining <= 1:
                 if self._holds_short_keys(req):
@@ -105,6 +113,19 @@ class Scheduler:
         return True
 
     # -- memory for running requests ----------------------------------------------------------------------
+    def _slide(self, req: Request) -> None:
+        """Release req's pages that no layer's window reaches any more. Not for a session's turn, whose
+        pages go back to the session whole, nor while its prompt is computed with the radix cache on: the
+        prompt's pages are kept until they are published (a recompute past the prompt publishes now)."""
+        if req.session is not None:
+            return
+        if self.pool.radix is not None and not req.prompt_cached:
+            if req.num_computed < req.num_prompt:
+                return
+            self.publish(req)
+            req.prompt_cached = True
+        self.released_pages += self.pool.slide(req.pages, req.num_computed, req.row, req.table_len)
+
     def _grow(self, req: Request, n: int, plan: list[tuple[Request, int]]) -> int:
         """Pages for up to n more tokens of `req`, preempting younger requests while none fit."""
         while n:
@@ -258,6 +279,8 @@ class Scheduler:
         assert len(rows) + pool.req_to_token.num_free == pool.req_to_token.num_rows, "a request row leaked"
         for r in requests:
             assert len(r.pages) == pool.pages_for(r.num_computed), f"{r.id} holds pages past its K/V"
+            live = pool.live(r.pages)
+            assert r.pages[len(r.pages) - len(live) :] == live, f"{r.id} released pages that are not a prefix"
         for r in self.running:
             table = pool.req_to_token.table[r.row, : r.table_len].tolist()
             assert table == pool.slots(r.pages, 0, r.table_len), f"req_to_token of {r.id} is stale"
