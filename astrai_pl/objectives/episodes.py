@@ -64,19 +64,24 @@ def render(added: Sequence[dict[str, Any]], held_ids: Sequence[int], messages: l
            tokenizer: Any, chat: bool) -> list[int]:
     """The ids of the environment's messages after the conversation so far (`held_ids`, `messages`): a tool
     message, or any message of a plain prompt, is its content inline; another role a new chat-template turn,
-    what the template adds after the text the session already holds, with the assistant header."""
+    what the template adds after the text the session already holds, with the assistant header (after the
+    template's own rendering of the history when the model stopped on a token that is not its end of turn)."""
     ids: list[int] = []
     for m in added:
         if m["role"] == "tool" or not chat:
             ids += tokenizer.encode(m["content"])
             continue
         held = tokenizer.decode([*held_ids, *ids])
+        before = tokenizer.apply_chat_template(messages, tokenize=False)
         messages = [*messages, dict(m)]
         full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        if not full.startswith(held):
+        if full.startswith(held):
+            ids += tokenizer.encode(full[len(held):])
+        elif full.startswith(before):  # the model's stop token is not the template's end of turn
+            ids += tokenizer.encode(full[len(before):])
+        else:
             raise ValueError(f"the chat template renders the conversation as {full[:80]!r}…, which does not "
-                             f"continue the session's text {held[-80:]!r}; use 'tool' messages")
-        ids += tokenizer.encode(full[len(held):])
+                             f"continue its own rendering before the new message; use 'tool' messages")
     return ids
 
 

@@ -12,7 +12,7 @@ from astrai_pl.inference import Engine, SamplingParams
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.objectives import GRPO
 from astrai_pl.objectives.environments import EnvironmentSpecError, EnvStep, calculate, load_environment
-from astrai_pl.objectives.episodes import run_episodes
+from astrai_pl.objectives.episodes import render, run_episodes
 from astrai_pl.objectives.evaluation import chat_prompts
 from astrai_pl.objectives.logprobs import IGNORE_INDEX, token_logprobs
 from astrai_pl.tokenizer import Tokenizer
@@ -158,3 +158,29 @@ def test_grpo_fits_with_the_calculator(tmp_path):
                             num_sanity_val_steps=0, default_root_dir=tmp_path)
     trainer.fit(module, datamodule=data)
     assert "val/reward" in trainer.callback_metrics
+
+
+def test_a_user_message_opens_a_chat_template_turn_after_what_the_session_holds():
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    start = TOKENIZER.apply_chat_template(prompt, add_generation_prompt=True) + TOKENIZER.encode("5")
+    messages, user = [*prompt, {"role": "assistant", "content": "5"}], {"role": "user", "content": "And 4 + 4?"}
+    expected = TOKENIZER.apply_chat_template([*messages, user], add_generation_prompt=True, tokenize=False)
+    held = start + TOKENIZER.encode("<|im_end|>")  # the model ended its turn as the template does
+    ids = render([user], held, messages, TOKENIZER, chat=True)
+    assert TOKENIZER.decode([*held, *ids]) == expected  # the session then holds the whole conversation
+    held = [*start, TOKENIZER.eos_token_id]  # another stop token: the template's next turn follows it
+    ids = render([user], held, messages, TOKENIZER, chat=True)
+    assert TOKENIZER.decode(ids) == expected[len(TOKENIZER.apply_chat_template(messages, tokenize=False)):]
+    assert render([{"role": "tool", "content": RESULT}], held, messages, TOKENIZER, chat=True) == \
+        TOKENIZER.encode(RESULT)  # a tool result continues inline
+
+
+def test_an_episode_that_never_ends_stops_at_max_turns():
+    class Forever:
+        def step(self, messages, **columns):
+            return EnvStep([{"role": "tool", "content": "."}])
+
+    module = grpo(environment=Forever(), max_turns=2, max_episode_tokens=64)
+    rollout = module.roll_out(batch(1), num_micro_batches=1)
+    assert rollout.metrics["episodes/end_max_turns"] == 1.0 and rollout.metrics["episodes/mean_turns"] <= 2
+    assert rollout.metrics["completions/clipped_ratio"] == 1.0  # counted as truncated
