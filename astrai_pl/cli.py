@@ -22,6 +22,7 @@ import yaml
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
+from .callbacks.console import console_settings
 from .callbacks.metrics import NonFiniteLossError
 from .callbacks.resume import place_outputs
 from .callbacks.safety import SafetyConfig, as_list, safety_callbacks, safety_plugins
@@ -42,6 +43,7 @@ from .objectives import Objective
 from .objectives.options import renamed_in_parse_error
 from .verbs import main  # `python -m astrai_pl.cli` and callers of `astrai_pl.cli.main`
 from .warning_filters import install as install_warning_filters
+from .warning_filters import keep_run_dir_quiet
 
 # Field docstrings (`"""..."""` under each dataclass attribute) become --help text and
 # `--print_config=comments` comments.
@@ -160,13 +162,18 @@ class AstraiCLI(LightningCLI):
             root = self.run_dir or trainer.get("default_root_dir") or os.getcwd()
             kwargs["logger"] = with_wandb(trainer.get("logger"), wandb_logger(settings, root))
             kwargs["callbacks"] += tracking_callbacks(settings, root)
+        kwargs.update(console_settings(trainer, kwargs["callbacks"]))  # the step-counted bar, a summary without FLOPs
         return super().instantiate_trainer(**kwargs)
 
     def before_instantiate_classes(self) -> None:
         """Each run in a directory of its own, `default_root_dir/version_N`, for what the config leaves unplaced
         (callbacks/resume.py place_outputs; which version a resumed run takes: checkpoint/runs.py)."""
         ckpt_path = self._get(self.config, "ckpt_path") if self.subcommand else None
-        self.run_dir = place_outputs(self._get(self.config, "trainer"), self.subcommand, ckpt_path)
+        trainer = self._get(self.config, "trainer")
+        placed_logger = trainer.get("logger") is True  # place_outputs makes it a CSVLogger in the run directory
+        self.run_dir = place_outputs(trainer, self.subcommand, ckpt_path)
+        if placed_logger and self.run_dir is not None:
+            keep_run_dir_quiet(self.run_dir)
 
     def before_fit(self) -> None:
         """`--ckpt_path last`: put back what a cut-off checkpoint replace left; refuse a restart from step 0

@@ -12,25 +12,39 @@ once by the command line (cli.py) before anything else of Lightning runs.
 - Lightning's fit loop warns "Found N module(s) in eval mode at the start of training": in our objectives the
   only such modules are the frozen reference policies (`objectives.base.frozen_copy`), in eval mode on purpose.
 - Lightning's logger connector prints a "💡 Tip" advertising a hosted logging service on every fit.
+- Lightning's trainer notes "`Trainer(limit_val_batches=1)` was configured so 1 batch will be used." (1 read as a
+  count, not as 100%) when a config asks for exactly that, as configs/grpo/debug.yaml does.
+- Lightning's CSVLogger warns that its directory "exists and is not empty. Previous log files in this directory
+  will be deleted" whenever the directory holds anything: always for the run directory astrai-pl made for it
+  (its W&B files, a resumed run's checkpoints and config.yaml). Nothing there is deleted but metrics.csv, which
+  a resumed run has already kept as metrics.before-resume-N.csv (checkpoint/runs.py), so `keep_run_dir_quiet`
+  drops that warning for the run directory's own CSVLogger only; a logger the config points elsewhere still
+  warns.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import warnings
+from pathlib import Path
 
 DEPRECATIONS = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
 LIGHTNING_CLI = r"lightning\.pytorch\.cli"  # the module whose calls into jsonargparse are deprecated there
 EVAL_MODE = r"Found \d+ module\(s\) in eval mode at the start of training"
 TIP_PREFIX = "💡 Tip:"
+ONE_BATCH = re.compile(r"`Trainer\(limit_(train|val|test|predict)_batches=1\)` was configured so 1 batch will be used\.$")
+LOG_DIR_NOT_EMPTY = "Experiment logs directory {} exists and is not empty."
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 
 
 class _DropTip(logging.Filter):
-    """Drops Lightning's advertising tip; keeps every other record."""
+    """Drops Lightning's advertising tip and its note on `limit_*_batches=1`; keeps every other record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(TIP_PREFIX)
+        message = str(record.msg)
+        return not (message.startswith(TIP_PREFIX) or ONE_BATCH.match(message))
 
 
 _installed = False
@@ -48,3 +62,10 @@ def install() -> None:
     warnings.filterwarnings("ignore", message=EVAL_MODE)
     for name in RANK_ZERO_LOGGERS:
         logging.getLogger(name).addFilter(_DropTip())
+
+
+def keep_run_dir_quiet(run_dir: Path) -> None:
+    """Drop CSVLogger's "exists and is not empty … will be deleted" warning for the CSVLogger that place_outputs
+    (callbacks/resume.py) put in `run_dir`: save_dir its parent, name "", version its name."""
+    log_dir = os.path.join(str(run_dir.parent), "", run_dir.name)  # as CSVLogger.log_dir joins them
+    warnings.filterwarnings("ignore", message=re.escape(LOG_DIR_NOT_EMPTY.format(log_dir)))

@@ -1,20 +1,26 @@
 """A run prints what its user needs and nothing that suggests something is wrong: no third-party tips or
 deprecation warnings, no warning about the frozen reference policy's eval mode, no W&B "anonymous" warning,
-and a missing checkpoint is one line naming the option that was given."""
+no CSVLogger warning about the run directory it was given, a progress bar counting optimizer steps (no
+`Epoch 0/-2`, no `v_num`), a model summary without `Total FLOPs: 0`, and a missing checkpoint is one line
+naming the option that was given."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
+import lightning as L
 import pytest
+import torch
 
 from astrai_pl import warning_filters
-from astrai_pl.cli import main
+from astrai_pl.callbacks.console import ParameterSummary, StepProgressBar, console_settings
+from astrai_pl.cli import lightning_main, main
 
 ROOT = Path(__file__).resolve().parent.parent
 NOISE = (
@@ -25,7 +31,14 @@ NOISE = (
     "JsonargparseDeprecationWarning",
     "add_dataclass_arguments",
     "Traceback",
+    "Epoch 0/-",  # Lightning's bar on max_epochs -1
+    "v_num",
+    "FLOPs",  # the summary's count, 0 without an example_input_array
+    "exists and is not empty",  # CSVLogger on the run directory made for it
+    "will be deleted",
+    "was configured so 1 batch will be used",  # Lightning on limit_val_batches: 1
 )
+STEPS_BAR = r"Epoch 0 +━+ 2/2 "  # the bar at the end of a 2-step run, in optimizer steps at any accumulation
 
 
 def run_fit(tmp_path: Path, config: str, *extra: str) -> str:
@@ -49,11 +62,74 @@ def test_a_debug_pretrain_fit_with_wandb_prints_no_noise(tmp_path):
     output = run_fit(tmp_path, "pretrain/debug.yaml", "--wandb.enabled", "true")
     assert "max_steps=2" in output  # the run did run
     assert noise_in(output) == []
+    assert re.search(STEPS_BAR, output), output[-2000:]
 
 
 @pytest.mark.slow
-def test_a_debug_grpo_fit_prints_no_noise(tmp_path):
-    assert noise_in(run_fit(tmp_path, "grpo/debug.yaml")) == []
+def test_a_debug_grpo_fit_with_a_summary_prints_no_noise(tmp_path):
+    output = run_fit(tmp_path, "grpo/debug.yaml", "--trainer.enable_model_summary", "true")
+    assert noise_in(output) == [] and "Total params" in output
+    assert re.search(STEPS_BAR, output), output[-2000:]  # accumulate_grad_batches: 2
+
+
+@pytest.mark.slow
+def test_a_resumed_sft_fit_prints_no_noise(tmp_path):
+    run_fit(tmp_path, "sft/debug.yaml")
+    output = run_fit(tmp_path, "sft/debug.yaml", "--trainer.max_steps", "4", "--ckpt_path", "last")
+    assert "Restored all states" in output and noise_in(output) == []
+
+
+class Regression(L.LightningModule):
+    """The smallest module a Trainer fits: one linear layer on random rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).pow(2).mean()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_bar_counts_optimizer_steps_and_the_summary_has_no_flops(tmp_path):
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    summary_log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
+    summary_log.addHandler(handler)
+    try:
+        settings = console_settings({"enable_progress_bar": True}, [])
+        trainer = L.Trainer(max_steps=3, max_epochs=-1, accumulate_grad_batches=2, logger=False,
+                            enable_checkpointing=False, default_root_dir=tmp_path, **settings)
+        trainer.fit(Regression())
+    finally:
+        summary_log.removeHandler(handler)
+    bar = trainer.progress_bar_callback
+    assert isinstance(bar, StepProgressBar) and trainer.global_step == 3
+    task = bar.progress.tasks[bar.train_progress_bar_id]
+    assert (task.completed, task.total) == (3, 3)  # Lightning's bar: 6 batches of a total of 3
+    assert task.description.split() == ["Epoch", "0"]  # Lightning's: Epoch 0/-2
+    assert "v_num" not in bar.get_metrics(trainer, trainer.lightning_module)
+    assert [type(c) for c in trainer.callbacks].count(ParameterSummary) == 1
+    assert len(lines) == 1 and "Total params" in lines[0] and "FLOPs" not in lines[0].replace(" ", "")
+
+
+def test_the_run_directorys_csv_logger_keeps_quiet_about_its_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:  # the filters installed here are undone on exit
+        warnings.simplefilter("always")
+        cli = lightning_main(["--config", str(ROOT / "configs/sft/debug.yaml")], run=False)
+        (cli.run_dir / "config.yaml").write_text("as a resumed run finds it\n")
+        assert cli.trainer.logger.experiment is not None  # the CSVLogger looks at its directory here
+        warnings.warn(f"Experiment logs directory {tmp_path} exists and is not empty.", stacklevel=1)
+    assert [str(w.message).split(" exists")[0] for w in caught if "not empty" in str(w.message)] == [
+        f"Experiment logs directory {tmp_path}"]  # another directory's warning still shows
+    assert isinstance(cli.trainer.progress_bar_callback, StepProgressBar)
 
 
 def test_the_filters_drop_the_known_messages_and_keep_others(monkeypatch):
@@ -70,7 +146,12 @@ def test_the_filters_drop_the_known_messages_and_keep_others(monkeypatch):
     log = logging.getLogger(warning_filters.RANK_ZERO_LOGGERS[0])
     tip = logging.LogRecord(log.name, logging.INFO, __file__, 1, "💡 Tip: try a service", None, None)
     other = logging.LogRecord(log.name, logging.INFO, __file__, 1, "GPU available: False", None, None)
-    assert not log.filter(tip) and log.filter(other)
+    one = logging.LogRecord(log.name, logging.INFO, __file__, 1,
+                            "`Trainer(limit_val_batches=1)` was configured so 1 batch will be used.", None, None)
+    every = logging.LogRecord(log.name, logging.INFO, __file__, 1,
+                              "`Trainer(val_check_interval=1)` was configured so validation will run after every "
+                              "batch.", None, None)
+    assert not log.filter(tip) and not log.filter(one) and log.filter(other) and log.filter(every)
 
 
 @pytest.mark.slow
