@@ -32,6 +32,8 @@ import torch
 from .atomic import write_atomically
 from .checkpoint import CheckpointError, is_sharded_checkpoint, load_transformer
 from .checkpoint.runs import resolve_latest
+from .command_options import CHAT_HELP, chat_parser, generate_parser
+from .command_options import add_model_arguments as _add_model_arguments  # noqa: F401  (serve, evaluate)
 from .inference import CapacityError, Engine, InferenceError, SamplingParams, SamplingParamsError, Session
 from .jsonl import UTF8_FIX, NotUtf8, UnreadableJson, decode_utf8, parse_json
 from .model import Transformer
@@ -41,42 +43,13 @@ from .model.lora import merge_lora
 from .tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 CHUNK = 256  # prompts handed to the engine at once: it batches them; results are written as each chunk ends
-DTYPES = ("float32", "bfloat16", "float16")  # --dtype: names of torch dtypes
 
 
 class CommandError(ValueError):
     """A command-line input is unusable: a malformed prompt line, a tokenizer that does not fit the model."""
 
 
-# -- model, tokenizer and sampling: shared by both verbs ---------------------------------------------------
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model")
-    group.add_argument("--model", required=True,
-                       help="a Hugging Face directory, a .ckpt written by astrai-pl fit, or a sharded checkpoint folder")
-    group.add_argument("--adapter", default=None,
-                       help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors, written "
-                            "here or by PEFT) for the base --model; merged into its weights before serving")
-    group.add_argument("--tokenizer", default=None,
-                       help="'byte' or a tokenizer directory (default: the adapter's, else the model directory's, "
-                            "else 'byte')")
-    group.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    group.add_argument("--dtype", choices=DTYPES, default=None, help="default: as loaded (float32)")
-    group.add_argument("--max-total-tokens", type=int, default=None,
-                       help="KV pool size in tokens (default: 80%% of free GPU memory, 32k on CPU)")
-
-
-def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling (see SamplingParams)")
-    group.add_argument("--max-tokens", type=int, default=SamplingParams.max_tokens)
-    group.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0 is greedy")
-    group.add_argument("--top-p", type=float, default=SamplingParams.top_p)
-    group.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="0 keeps every token")
-    group.add_argument("--min-p", type=float, default=SamplingParams.min_p)
-    group.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty)
-    group.add_argument("--seed", type=int, default=None)
-    group.add_argument("--stop", action="append", default=[], help="a stop string; repeat for several")
-
-
+# -- model, tokenizer and sampling: shared by both verbs (their options: command_options.py) ----------
 def generation_eos_ids(model_path: str | Path) -> list[int]:
     """End ids a Hugging Face directory's generation_config.json lists (often more than config.json's)."""
     path = Path(model_path) / "generation_config.json"
@@ -244,25 +217,6 @@ def write_completions(engine: Engine, rows, params: SamplingParams, output: str 
         line.encode("utf-8") for line in _completion_lines(engine, rows, params)))
 
 
-def _generate_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="astrai-pl generate", description="Complete one prompt, or every line of a JSONL file of prompts.")
-    _add_model_arguments(parser)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="one prompt; its completion is printed as it is generated")
-    source.add_argument("--input", help='a JSONL file: one {"prompt": str} or {"messages": [...]} per line')
-    parser.add_argument("--output", help="write JSONL completions here (default: stdout)")
-    parser.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
-                        help="render a plain prompt as one user message through the tokenizer's chat template. "
-                             "Default: --prompt is, when the tokenizer has a template (as a chat endpoint); "
-                             '{"prompt"} lines of --input stay plain text (as a completions endpoint); '
-                             '{"messages"} lines are always templated')
-    parser.add_argument("--add-special-tokens", action="store_true",
-                        help="let the tokenizer add its specials (e.g. BOS) to plain prompts")
-    _add_sampling_arguments(parser)
-    return parser
-
-
 def templates_prompt(choice: bool | None, tokenizer: Tokenizer) -> bool:
     """Whether `--prompt` goes through the chat template: as `--[no-]chat-template` says, else when the
     tokenizer has a template. A chat-tuned model given its question as plain text only ends the turn."""
@@ -270,8 +224,13 @@ def templates_prompt(choice: bool | None, tokenizer: Tokenizer) -> bool:
 
 
 def generate_verb(argv: list[str], stdout: IO[str] | None = None) -> None:
-    """`astrai-pl generate`: complete one prompt (printed as it streams) or every line of a JSONL file."""
-    ns = _generate_parser().parse_args(argv)
+    """`astrai-pl generate` on the words after the verb (verbs.py reads them before importing this module)."""
+    run_generate(generate_parser().parse_args(argv), stdout)
+
+
+def run_generate(ns: argparse.Namespace, stdout: IO[str] | None = None) -> None:
+    """`astrai-pl generate` on its parsed options: complete one prompt (printed as it streams) or every line of a
+    JSONL file."""
     stdout = stdout or sys.stdout
     try:
         engine, tokenizer, eos_ids = load_engine(ns)
@@ -355,9 +314,6 @@ class Conversation:
             self.session.close()
 
 
-CHAT_HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits"
-
-
 def _chat_loop(conversation: Conversation, stdin: IO[str], stdout: IO[str], interactive: bool) -> None:
     while True:
         if interactive:
@@ -390,15 +346,14 @@ def _chat_loop(conversation: Conversation, stdin: IO[str], stdout: IO[str], inte
 
 
 def chat_verb(argv: list[str], stdin: IO[str] | None = None, stdout: IO[str] | None = None) -> None:
-    """`astrai-pl chat`: talk to a model turn by turn; each user line gets a streamed answer."""
+    """`astrai-pl chat` on the words after the verb (verbs.py reads them before importing this module)."""
+    run_chat(chat_parser().parse_args(argv), stdin, stdout)
+
+
+def run_chat(ns: argparse.Namespace, stdin: IO[str] | None = None, stdout: IO[str] | None = None) -> None:
+    """`astrai-pl chat` on its parsed options: talk to a model turn by turn; each user line gets a streamed
+    answer."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    parser = argparse.ArgumentParser(
-        prog="astrai-pl chat", description="Talk to a model turn by turn; answers stream as they are generated.",
-        epilog=CHAT_HELP)
-    _add_model_arguments(parser)
-    parser.add_argument("--system", default=None, help="a system prompt opening every conversation")
-    _add_sampling_arguments(parser)
-    ns = parser.parse_args(argv)
     try:
         engine, tokenizer, eos_ids = load_engine(ns)
         conversation = Conversation(engine, tokenizer, sampling_params(ns, eos_ids), ns.system)
