@@ -5,8 +5,9 @@
 
 The table names each verb's module instead of importing it: a verb's own libraries (Lightning and
 jsonargparse for fit/validate/test, torch for the engine, FastAPI for serve (the `serve` extra), lm-eval
-for evaluate (the `eval` extra)) load only when that verb runs, so `astrai-pl --help` imports none of them and `generate` no training stack.
-`tokenizer` and `convert`, two small verbs, live here. docs/cli.md describes every verb.
+for evaluate (the `eval` extra)) load only when that verb runs, so `astrai-pl --help` imports none of them and `generate` no training stack;
+`generate` and `chat` read their options (command_options.py) before importing torch, so their `--help` is immediate.
+`tokenizer` and `convert`, two small verbs, live here, and the start of `generate` and `chat`. docs/cli.md describes every verb.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ VERBS = {
     "validate": Verb("cli:lightning_verb", "the validation loop of a config's objective and data (--ckpt_path)",
                      TRAIN),
     "test": Verb("cli:lightning_verb", "the test loop of a config's objective and data (--ckpt_path)", TRAIN),
-    "generate": Verb("commands:generate_verb", "complete a prompt, or every line of a JSONL file into a JSONL file",
+    "generate": Verb("verbs:generate_verb", "complete a prompt, or every line of a JSONL file into a JSONL file",
                      USE),
-    "chat": Verb("commands:chat_verb", "talk to a model turn by turn, answers streamed", USE),
+    "chat": Verb("verbs:chat_verb", "talk to a model turn by turn, answers streamed", USE),
     "serve": Verb("serve.cli:serve_verb", "an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, …)",
                   USE),
     "evaluate": Verb("evaluation.run:evaluate_verb", "lm-eval tasks on a model, results written as JSON", USE),
@@ -122,6 +123,26 @@ def _iter_texts(paths: list[str] | None, text_field: str):
         return
     for path in paths:
         yield from load_documents(path, text_field)[text_field]
+
+
+def generate_verb(argv: list[str]) -> None:
+    """`astrai-pl generate`: its options read (`--help` answered) before torch and the engine load."""
+    from .command_options import generate_parser
+
+    ns = generate_parser().parse_args(argv)
+    from .commands import run_generate
+
+    run_generate(ns)
+
+
+def chat_verb(argv: list[str]) -> None:
+    """`astrai-pl chat`: its options read (`--help` answered) before torch and the engine load."""
+    from .command_options import chat_parser
+
+    ns = chat_parser().parse_args(argv)
+    from .commands import run_chat
+
+    run_chat(ns)
 
 
 def convert_verb(argv: list[str]) -> None:

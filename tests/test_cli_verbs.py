@@ -1,4 +1,5 @@
-"""`astrai-pl` itself: the top-level help lists every verb, `--help` and `generate` load no training stack,
+"""`astrai-pl` itself: the top-level help lists every verb, `--help`, `generate --help` and `chat --help` load
+no torch and `generate` no training stack,
 `predict` and LightningCLI's optimizer options are refused naming what to use instead, `fit --help` opens
 with where its options are shown best."""
 
@@ -49,10 +50,26 @@ def test_help_loads_neither_torch_nor_the_training_stack():
     assert not loaded & {"torch", "numpy", *TRAINING_STACK}
 
 
+@pytest.mark.parametrize("verb", ["generate", "chat"])
+def test_generate_and_chat_help_load_no_torch(verb):
+    """Their options are read before the engine is imported (command_options.py), so --help is immediate."""
+    loaded = modules_loaded_by([verb, "--help"])
+    assert "astrai_pl" in loaded and not loaded & {"torch", "numpy", *TRAINING_STACK}
+
+
 @pytest.mark.slow  # torch loads: seconds
-def test_generate_help_loads_no_training_stack():
-    loaded = modules_loaded_by(["generate", "--help"])
-    assert "astrai_pl" in loaded and not loaded & set(TRAINING_STACK)
+def test_generate_loads_no_training_stack(tmp_path):
+    loaded = modules_loaded_by(["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"])
+    assert "torch" in loaded and not loaded & set(TRAINING_STACK)
+
+
+def test_the_sampling_options_default_to_sampling_params():
+    from astrai_pl.command_options import SAMPLING_DEFAULTS, generate_parser
+    from astrai_pl.inference import SamplingParams
+
+    defaults = vars(generate_parser().parse_args(["--model", "m", "--prompt", "p"]))
+    assert {name: getattr(SamplingParams(), name) for name in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS
+    assert {name: defaults[name] for name in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS
 
 
 def test_predict_points_to_generate():

@@ -22,7 +22,7 @@ LAYERS = (
     ("data", "inference"),
     ("checkpoint",),  # persistence below everything that trains or serves
     ("model", "tokenizer"),
-    ("ops", "jsonl", "atomic", "warning_filters"),
+    ("ops", "jsonl", "atomic", "warning_filters", "command_options"),
     ("",),
 )
 
