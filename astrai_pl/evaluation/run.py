@@ -11,6 +11,7 @@ to a temporary file and renamed over the target, so it is complete or absent; th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -36,9 +37,41 @@ def evaluate(lm: AstraiLM, tasks: Sequence[str | dict[str, Any]], *, include_pat
     specs = task_specs(tasks, include_path)
     # lm-eval's own ~15k task files take ~20 s to index: only when a name is not one of the local tasks
     manager = task_manager(tuple(map(str, include_path)), any(isinstance(s, str) for s in specs))
-    return simple_evaluate(
-        model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager, apply_chat_template=apply_chat_template, log_samples=log_samples,
-        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+    with _environment_without_subprocesses():
+        return simple_evaluate(
+            model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+            apply_chat_template=apply_chat_template, log_samples=log_samples,
+            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _environment_without_subprocesses():
+    """lm-eval records the environment in its results with torch's collect_env, which runs pip, conda,
+    nvidia-smi and others in subprocesses (about 7 s a call, paid by every evaluation in training and in the
+    demo): inside this block it records the same keys from what this process already knows."""
+    import lm_eval.evaluator as evaluator
+
+    original, evaluator.add_env_info = evaluator.add_env_info, _add_environment
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = original
+
+
+def _add_environment(storage: dict[str, Any]) -> None:
+    """lm-eval's environment keys: versions and the platform, nothing that needs a subprocess."""
+    import platform
+    from importlib.metadata import version
+
+    import torch
+    import transformers
+
+    cuda = torch.version.cuda or "none"
+    storage.update(
+        pretty_env_info=(f"torch {torch.__version__} (CUDA {cuda}), Python {platform.python_version()}, "
+                         f"{platform.platform()}, {platform.processor() or platform.machine()}"),
+        transformers_version=transformers.__version__, lm_eval_version=version("lm_eval"), upper_git_hash=None,
     )
 
 

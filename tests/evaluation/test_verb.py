@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from lm_eval.api.instance import Instance
 
 from astrai_pl.cli import main
 from astrai_pl.evaluation import SHIPPED, local_copy, task_specs
-from astrai_pl.evaluation.run import evaluate_verb
+from astrai_pl.evaluation.run import evaluate, evaluate_verb
 from astrai_pl.evaluation.tasks import arithmetic_rows, next_sentence_rows
 
 
@@ -131,3 +132,16 @@ def test_the_small_arithmetic_task_is_the_tiny_configs_held_out_range():
     train = {p.question for p in problems(5000, split="train", max_operand=14)}
     assert not train & {r["question"] for r in rows}
     assert all(max(int(n) for n in r["question"][8:-1].split(" ")[::2]) <= 14 for r in rows)
+
+
+def test_results_record_the_environment_without_running_collect_env(ours, monkeypatch):
+    import torch.utils.collect_env as collect_env
+
+    def refuse():
+        raise AssertionError("collect_env runs pip, conda and nvidia-smi in subprocesses")
+
+    monkeypatch.setattr(collect_env, "get_pretty_env_info", refuse)
+    results = evaluate(ours, ["astrai_arithmetic_small"], limit=2)
+    assert torch.__version__ in results["pretty_env_info"]
+    assert results["transformers_version"] and results["lm_eval_version"]
+    assert "astrai_arithmetic_small" in results["results"]
