@@ -22,6 +22,7 @@ import lightning as L
 import torch
 
 from ..evaluation import AstraiLM, evaluate
+from ..evaluation.lm import widen_steps
 from ..inference import Engine
 
 SAMPLE_COLUMNS = ["step", "task", "doc_id", "prompt", "response", "target"]
@@ -130,7 +131,7 @@ class Evaluate(L.Callback):
         model.eval()
         try:
             with torch.inference_mode(False):
-                engine = Engine(model, tokenizer, max_total_tokens=self.max_total_tokens)
+                engine = widen_steps(Engine(model, tokenizer, max_total_tokens=self.max_total_tokens))
             lm = AstraiLM(engine, tokenizer, name=type(pl_module).__name__)
             return evaluate(lm, self.tasks, include_path=self.include_path, num_fewshot=self.num_fewshot,
                             limit=self.limit, apply_chat_template=self.apply_chat_template,
