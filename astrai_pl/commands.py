@@ -31,6 +31,7 @@ import torch
 
 from .atomic import write_atomically
 from .checkpoint import CheckpointError, is_sharded_checkpoint, load_transformer
+from .checkpoint.archive import interrupted_copy
 from .checkpoint.runs import resolve_latest
 from .command_options import CHAT_HELP, chat_parser, generate_parser
 from .command_options import add_model_arguments as _add_model_arguments  # noqa: F401  (serve, evaluate)
@@ -39,6 +40,7 @@ from .jsonl import UTF8_FIX, NotUtf8, UnreadableJson, decode_utf8, parse_json
 from .model import Transformer
 from .model.adapter_files import is_adapter_dir, load_adapter
 from .model.config import ConfigError
+from .model.hf import export_dir
 from .model.lora import merge_lora
 from .tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -84,6 +86,10 @@ def load_adapted(model_path: str | Path, adapter: str | Path | None, option: str
     if is_adapter_dir(model_path):
         raise CommandError(f"{option} {model_path} is a PEFT adapter directory, not a model; pass its base model "
                            f"as {option} and this directory as --adapter")
+    path = Path(model_path)  # or what a save cut off between two renames left beside it (loaded as usual)
+    if not path.exists() and interrupted_copy(path) is None and not export_dir(path).exists():
+        raise CommandError(f"{option} {model_path}: no such file or directory; pass a Hugging Face model directory "
+                           "or a .ckpt written by astrai-pl fit")
     model = load_transformer(None, model_path)
     if adapter is not None:
         if model.lora_config is not None:
