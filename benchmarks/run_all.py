@@ -26,6 +26,7 @@ from harness import ROOT, Row, machine  # noqa: E402
 BENCHES = {  # name: (script, arguments); in the order they run
     "step": ("bench_step.py", []),
     "posttrain": ("bench_posttrain.py", []),
+    "posttrain-more": ("bench_posttrain_more.py", []),
     "rollout": ("bench_rollout.py", []),
     "decode": ("bench_decode.py", []),
     "lora": ("bench_lora_sft.py", []),
