@@ -1,5 +1,6 @@
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,3 +34,48 @@ def _restored_environment():
 # Module scope covers module-scoped fixtures (an autouse fixture is set up before the others of its scope).
 _restore_environment_per_module = pytest.fixture(autouse=True, scope="module")(_restored_environment)
 _restore_environment_per_test = pytest.fixture(autouse=True)(_restored_environment)
+
+
+
+RUNS = Path(__file__).resolve().parents[1] / "runs"  # where the shipped configs' default_root_dir lie
+
+
+def _pointer(path: Path) -> tuple[bool, str] | None:
+    """A `latest` pointer as (is a symlink, what it names)."""
+    if path.is_symlink():
+        return True, os.readlink(path)
+    return (False, path.read_text()) if path.is_file() else None
+
+
+def _pointers() -> list[Path]:
+    """Every runs/*/latest, a dangling symlink included (glob skips those)."""
+    roots = RUNS.iterdir() if RUNS.is_dir() else ()
+    return [root / "latest" for root in roots if (root / "latest").is_symlink() or (root / "latest").exists()]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _repository_runs_left_as_found():
+    """Tests that instantiate a shipped config without a root of their own claim a run directory under the
+    repository's runs/ and move its `latest`: afterwards the empty version_N folders they made go and each
+    `latest` names again what it named, so `make test` after `make demo` leaves the demo's runs the newest."""
+    roots = set(RUNS.iterdir()) if RUNS.is_dir() else set()
+    runs = set(RUNS.glob("*/version_*"))
+    pointers = {p: _pointer(p) for p in _pointers()}
+    yield
+    for run in set(RUNS.glob("*/version_*")) - runs:
+        if run.is_dir() and not any(run.iterdir()):
+            run.rmdir()
+    for pointer in _pointers():
+        before = pointers.get(pointer)
+        if before is not None and _pointer(pointer) != before:
+            pointer.unlink()
+            symlink, name = before
+            if symlink:
+                os.symlink(name, pointer, target_is_directory=True)
+            else:
+                pointer.write_text(name)
+        elif before is None and not pointer.exists():  # it named an empty run removed above (dangling)
+            pointer.unlink()
+    for root in (set(RUNS.iterdir()) if RUNS.is_dir() else set()) - roots:
+        if root.is_dir() and not any(root.iterdir()):
+            root.rmdir()
