@@ -311,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="skip the lm-eval tables after each stage (astrai_arithmetic_small, astrai_next_sentence)")
     args = parser.parse_args(argv)
     sys.argv = sys.argv[:1]  # consumed: the stages pass their own arguments to LightningCLI
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the stages print progress lines; lm-eval's bars would repeat them
     torch.set_num_threads(demo_threads())
     quiet = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
     t0, records, evaluate = time.perf_counter(), [], not args.no_eval
