@@ -144,6 +144,18 @@ def dpo_pair(folder: str, hf, pairs: int, prompt: int, response: int):
     return ours, trainer_step(trainer, trl_rows)
 
 
+def import_trl(measures: list[str], command: str, json_path: str | None):
+    """TRL, or None after writing a "not installable" row for each measure."""
+    try:
+        import trl
+    except ImportError as err:
+        rows = [Row(m, "TRL", None, note=f"not installable: {err}", command=command) for m in measures]
+        emit(rows)
+        save(rows, json_path)
+        return None
+    return trl
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7, help="timed steps per side, interleaved")
@@ -154,12 +166,9 @@ def main() -> None:
     setup()
     warnings.filterwarnings("ignore")
     command = command_line()
-    try:
-        import trl
-    except ImportError as err:
-        rows = [Row(f"{m} step", "TRL", None, note=f"not installable: {err}", command=command) for m in ("SFT", "DPO")]
-        emit(rows)
-        return save(rows, args.json)
+    trl = import_trl([f"{m} step" for m in ("SFT", "DPO")], command, args.json)
+    if trl is None:
+        return
     peer = f"TRL {trl.__version__} "
     rows = []
     with tempfile.TemporaryDirectory() as folder:

@@ -45,13 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_posttrain import (  # noqa: E402
     PAD,
     adamw,
+    import_trl,
     objective_step,
     random_ids,
     ready,
     trainer_step,
     trl_args,
 )
-from harness import Row, command_line, duel, emit, row_from, save, setup, small_model  # noqa: E402
+from harness import command_line, duel, emit, row_from, save, setup, small_model  # noqa: E402
 
 VOCAB = 8192
 EOS = VOCAB  # an id the model cannot sample: rollouts always run to max_completion_length
@@ -256,13 +257,9 @@ def main() -> None:
     setup()
     warnings.filterwarnings("ignore")
     command = command_line()
-    try:
-        import trl
-    except ImportError as err:
-        rows = [Row(CASES[m][1], "TRL", None, note=f"not installable: {err}", command=command)
-                for m in args.only]
-        emit(rows)
-        return save(rows, args.json)
+    trl = import_trl([CASES[m][1] for m in args.only], command, args.json)
+    if trl is None:
+        return
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         small_model().save_pretrained(folder)

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from wandb.sdk.launch.sweeps import utils as wandb_sweeps
 
 from astrai_pl import sweep as sweeps
+from astrai_pl.checkpoint.archive import read_checkpoint
 from astrai_pl.cli import lightning_main, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +48,7 @@ def test_the_agents_command_lands_each_value_in_the_trained_run(tmp_path):
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
-    ckpt = torch.load(tmp_path / "runs" / "sft-debug" / "latest" / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = read_checkpoint(tmp_path / "runs" / "sft-debug" / "latest" / "checkpoints" / "last.ckpt")
     hparams = {"model": {"init_args": ckpt["hyper_parameters"]},
                "data": {"init_args": ckpt["datamodule_hyper_parameters"]}}
     for name, value in point.items():

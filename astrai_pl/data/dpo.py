@@ -23,6 +23,15 @@ SIDES = ("chosen", "rejected")
 DPO_TRUNCATIONS = ("right", "drop")
 
 
+def check_length_options(owner: str, max_seq_len: int, truncation: str, why_not_left: str) -> None:
+    """Refuse a truncation that would cut the prompt (`why_not_left` says why) and a max_seq_len with no room
+    for one target token, naming `owner`'s field."""
+    if truncation not in DPO_TRUNCATIONS:
+        raise ValueError(f"{owner}.truncation={truncation!r}; use one of {DPO_TRUNCATIONS} ({why_not_left})")
+    if max_seq_len < 2:
+        raise ValueError(f"{owner}.max_seq_len={max_seq_len}; need at least 2 tokens for one target")
+
+
 def _labels(ids: Sequence[int], mask: Sequence[int]) -> list[int]:
     # the first token is never a target (nothing precedes it), as in packed SFT examples
     return [IGNORE_INDEX] + [t if m else IGNORE_INDEX for t, m in zip(ids[1:], mask[1:])]
@@ -85,11 +94,8 @@ class DPOData(RowsData):
                 val_split, val_fraction, on_bad_row, batch_size, num_proc, num_workers, cache_dir, seed,
                 synthetic): see `RowsData`.
         """
-        if truncation not in DPO_TRUNCATIONS:
-            raise ValueError(f"DPOData.truncation={truncation!r}; use one of {DPO_TRUNCATIONS} (cutting a "
-                             "pair's left side would change the prompt the two responses share)")
-        if max_seq_len < 2:
-            raise ValueError(f"DPOData.max_seq_len={max_seq_len}; need at least 2 tokens for one target")
+        check_length_options("DPOData", max_seq_len, truncation,
+                             "cutting a pair's left side would change the prompt the two responses share")
         super().__init__(**kwargs)
 
     def _build(self, splits: dict[str, Encoded]) -> None:

@@ -13,7 +13,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from .base import RowsData
-from .dpo import DPO_TRUNCATIONS, _labels
+from .dpo import _labels, check_length_options
 from .packing import IGNORE_INDEX, row_lengths
 from .preflight import check_trained_tokens, describe_example
 from .sampling import resumable_loader
@@ -81,11 +81,8 @@ class KTOData(RowsData):
                 val_split, val_fraction, on_bad_row, batch_size, num_proc, num_workers, cache_dir, seed,
                 synthetic): see `RowsData`.
         """
-        if truncation not in DPO_TRUNCATIONS:
-            raise ValueError(f"KTOData.truncation={truncation!r}; use one of {DPO_TRUNCATIONS} (cutting the left "
-                             "side would change the prompt)")
-        if max_seq_len < 2:
-            raise ValueError(f"KTOData.max_seq_len={max_seq_len}; need at least 2 tokens for one target")
+        check_length_options("KTOData", max_seq_len, truncation,
+                             "cutting the left side would change the prompt")
         super().__init__(**kwargs)
 
     def _build(self, splits: dict[str, Encoded]) -> None:
