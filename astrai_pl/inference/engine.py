@@ -31,6 +31,7 @@ from .handle import Outbox, RequestHandle
 from .loop import BackgroundLoop
 from .pool import EngineConfigError, PoolUsage, build_pool, positive
 from .recovery import StepRecovery
+from .recurrent import build_recurrent, is_recurrent
 from .request import Completion, Delta, Request, end_ids, is_sample_of
 from .runner import ModelRunner
 from .sampling import Alternatives, SamplingParams, SamplingParamsError, sample
@@ -84,13 +85,19 @@ class Engine(StepRecovery):
         max_step_tokens = positive(
             "max_step_tokens", (8192 if gpu else 1024) if max_step_tokens is None else max_step_tokens
         )
-        self.pool, self.max_context = build_pool(
-            model.config, self.device, self.dtype, page_size, max_total_tokens, max_batch_size, prefix_cache,
-            contiguous,
-        )  # fmt: skip
+        if is_recurrent(model):  # RWKV: a state slot per request instead of K/V pages (recurrent.py)
+            self.pool, self.max_context, self.scheduler, self.runner = build_recurrent(
+                model, self.device, self.dtype, page_size, max_total_tokens, max_batch_size, max_step_tokens,
+                prefix_cache, contiguous,
+            )  # fmt: skip
+        else:
+            self.pool, self.max_context = build_pool(
+                model.config, self.device, self.dtype, page_size, max_total_tokens, max_batch_size, prefix_cache,
+                contiguous,
+            )  # fmt: skip
+            self.scheduler = Scheduler(self.pool, max_batch_size, max_step_tokens, long_rope_after(model.config))
+            self.runner = ModelRunner(model, self.pool, self.device, self.dtype)
         self.page_size = self.pool.page_size
-        self.scheduler = Scheduler(self.pool, max_batch_size, max_step_tokens, long_rope_after(model.config))
-        self.runner = ModelRunner(model, self.pool, self.device, self.dtype)
         self.eos_token_ids = end_ids(model, tokenizer)
         self.sessions: dict[str, Session] = {}
         self.fingerprint = FingerprintCache(model)

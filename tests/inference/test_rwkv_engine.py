@@ -1,0 +1,176 @@
+"""The engine over an RWKV model: greedy decoding equal to transformers' RwkvForCausalLM.generate (cold, from
+prefix snapshots, under slot pressure with preemption), state bytes constant in the context, chunked prefill,
+snapshots evicted and dropped, the shared sampler's options, and sessions' turns on states."""
+
+import pytest
+import torch
+
+from astrai_pl.inference import Engine, SamplingParams
+from astrai_pl.model import ModelConfig, Transformer
+from astrai_pl.model.rwkv import RwkvState, UnsupportedMixerError
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(ours, transformers') on the same random weights: our rwkv-debug model (narrowed) saved with
+    save_pretrained and read back by transformers."""
+    torch.manual_seed(0)
+    ours = Transformer(ModelConfig.from_name("rwkv-debug", hidden_size=32, intermediate_size=128)).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() == 2 else 0.2))
+    path = tmp_path_factory.mktemp("rwkv")
+    ours.save_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    hf.generation_config.eos_token_id = None  # every token is generated, as ignore_eos does
+    hf.generation_config.pad_token_id = 0
+    return ours, hf
+
+
+def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(n: int, length: int, shared: int = 0, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, 320, (shared,), generator=gen).tolist()
+    return [head + torch.randint(3, 320, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def engine(model, **kwargs) -> Engine:
+    kwargs.setdefault("max_total_tokens", 4096)
+    return Engine(model, debug=True, page_size=8, **kwargs)
+
+
+def test_greedy_equals_transformers_generate_cold(exported):
+    ours, hf = exported
+    batch = prompts(4, 11) + prompts(1, 3, seed=1)
+    outs = engine(ours).generate(batch, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in batch]
+    assert all(o.cached_tokens == 0 for o in outs)
+
+
+def test_a_shared_prompt_is_computed_once_from_its_snapshots(exported):
+    ours, hf = exported
+    eng = engine(ours)
+    batch = prompts(6, 5, shared=40)
+    outs = eng.generate(batch, GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in batch]
+    # the first computes the 40 shared tokens; the others wait for it and start from its snapshot at 40
+    assert [o.cached_tokens for o in outs] == [0] + [40] * 5
+    assert eng.stats.cached_tokens == 200 and eng.stats.prefill_tokens == sum(map(len, batch)) - 200
+    again = eng.generate(batch[:1], GREEDY)[0]  # warm: its own prompt, up to the last page boundary
+    assert again.token_ids == outs[0].token_ids and again.cached_tokens == 40
+
+
+def test_under_slot_pressure_preempted_requests_resume_from_their_saved_state(exported):
+    ours, hf = exported
+    eng = engine(ours, max_batch_size=2, max_step_tokens=6)  # prompts in chunks of at most 6 tokens
+    batch = prompts(5, 9, shared=8, seed=2)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = eng.generate(batch, params)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 40) for p in batch]
+    stats = eng.stats
+    assert stats.preemptions > 0
+    assert stats.prefill_tokens + stats.cached_tokens == sum(map(len, batch))  # nothing computed twice
+    assert stats.decode_tokens == 5 * 39
+
+
+def test_state_bytes_are_the_same_after_10_and_2000_tokens_of_context(exported):
+    ours, _ = exported
+    eng = engine(ours, max_step_tokens=512, prefix_cache=False)  # no snapshots: a forward per chunk
+    figures = []
+    for length in (10, 2000):
+        rid = eng.add_request(prompts(1, length, seed=length)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+        while not any(d.token_ids for d in eng.step() if d.request_id == rid):
+            pass  # prefill in chunks of 512 until the first token
+        usage = eng.usage()
+        figures.append((usage.slots_in_use, usage.in_use, usage.held_states, usage.bytes_in_use))
+        eng.abort(rid)
+    assert figures[0] == figures[1] == (1, 0, 0, usage.state_bytes)
+    assert usage.state_bytes == 2 * 32 * (2 * 4 + 3 * 4)  # layers x hidden x (two shifts, aa, bb, pp)
+
+
+def test_chunked_prefill_equals_one_forward_over_the_prompt(exported):
+    ours, _ = exported
+    prompt = prompts(1, 70, seed=3)[0]
+    eng = engine(ours, max_step_tokens=16, prefix_cache=False)
+    out = eng.generate([prompt], SamplingParams(max_tokens=1, logprobs=True, temperature=0.0))[0]
+    assert eng.stats.steps == 5  # ceil(70 / 16) chunks, the last one sampled
+    with torch.no_grad():
+        logits = ours(torch.tensor([prompt])).logits[0, -1].float()
+    assert out.token_ids == [int(logits.argmax())]
+    assert out.logprobs[0] == pytest.approx(float(logits.log_softmax(-1).max()), abs=1e-4)
+
+
+def test_snapshots_are_evicted_lru_under_pressure_and_dropped_when_weights_change(exported):
+    ours, hf = exported
+    eng = engine(ours, max_total_tokens=40)  # 5 snapshots of 8 tokens, the context bounded at 40
+    first, second = prompts(2, 25, seed=4)  # 3 snapshots each: after 8, 16 and 24 tokens
+    for p in (first, second):
+        assert eng.generate([p], GREEDY)[0].token_ids == hf_greedy(hf, p, 12)
+    # the tree holds first as three nodes (one per boundary, inserted as made): one leaf made room
+    assert eng.stats.evicted_pages == 1 and eng.usage().evictable == 5
+    assert eng.generate([second], GREEDY)[0].cached_tokens == 24
+    assert eng.generate([first], GREEDY)[0].cached_tokens == 16  # its last snapshot was the one evicted
+    assert eng.stats.evicted_pages == 2  # second's last, the least recently used leaf, for first's again
+    eng.weights_changed()
+    assert eng.usage().evictable == 0
+    assert eng.generate([first], GREEDY)[0].cached_tokens == 0
+
+
+def test_n_samples_logprobs_and_stop_ids_go_through_the_shared_sampler(exported):
+    ours, hf = exported
+    prompt = prompts(1, 12, seed=5)[0]
+    want = hf_greedy(hf, prompt, 12)
+    eng = engine(ours, max_batch_size=2)  # n=3 needs 3 slots: refused as for attention
+    with pytest.raises(Exception, match="max_batch_size"):
+        eng.generate([prompt], SamplingParams(n=3))
+    eng = engine(ours, max_batch_size=4)
+    outs = eng.generate([prompt], SamplingParams(n=3, max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [want] * 3
+    stop = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[want[4]],
+                                                 logprobs=True, top_logprobs=2))[0]
+    assert stop.finish_reason == "stop" and stop.token_ids == want[: want.index(want[4]) + 1]
+    assert len(stop.logprobs) == len(stop.top_logprobs) == len(stop.token_ids)
+    sampled = [eng.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=7))[0].token_ids
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_session_turns_keep_the_state_instead_of_pages(exported):
+    ours, hf = exported
+    eng = engine(ours)
+    first, more = prompts(1, 10, seed=6)[0], [5, 6, 7]
+    chat = eng.session()
+    a = chat.generate(first, GREEDY)
+    assert a.token_ids == hf_greedy(hf, first, 12)
+    branch = chat.fork()
+    b = chat.generate(more, GREEDY)
+    assert b.token_ids == hf_greedy(hf, first + a.token_ids + more, 12)
+    assert b.cached_tokens == len(first) + 11  # the history's state was kept, the last reply token is new
+    assert branch.generate(more, GREEDY).token_ids == b.token_ids
+    with pytest.raises(UnsupportedMixerError, match="recurrent state"):
+        chat.save("unused.safetensors")
+    chat.close()
+    branch.close()
+    assert eng.usage().held_states == 0
+
+
+def test_the_engine_state_continues_as_the_model_state(exported):
+    """A prefill-only request leaves nothing behind, and the engine's logits equal the model's own."""
+    ours, _ = exported
+    prompt = prompts(1, 30, seed=8)[0]
+    out = engine(ours).generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    with torch.no_grad():
+        logits = ours(torch.tensor([prompt]), cache=RwkvState()).logits[0].float().log_softmax(-1)
+    want = [float(logits[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    got = [lp[0] for lp in out.prompt_logprobs[1:]]
+    assert got == pytest.approx(want, abs=1e-4)
