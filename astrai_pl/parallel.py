@@ -8,11 +8,14 @@
 
 Steps 1 and 4 need a device mesh, which `FSDP2Strategy` (astrai_pl/strategy.py, `strategy: fsdp2`) builds;
 steps 2 and 3 work under any strategy. Every step keeps parameter names, so checkpoints and Hugging Face
-exports do not depend on the layout they were trained with.
+exports do not depend on the layout they were trained with. `gather_full_weights` undoes steps 1 and 4 into a
+plain copy of the model (`weightless_copy`, made before them) for a while: GRPO's rollouts decode on it, and
+`release_weights` empties it again.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Literal
 
@@ -248,3 +251,39 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 
 def _has_dtensors(model: nn.Module) -> bool:
     return any(is_dtensor(p) for p in model.parameters())
+
+# -- full weights for inference ------------------------------------------------------------------------------
+def weightless_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` in eval mode whose parameters are empty and frozen (ties kept), made without
+    copying a single weight: the shell that `gather_full_weights` fills."""
+    empty = {id(p): nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
+             for p in model.parameters()}
+    return copy.deepcopy(model, empty).eval()
+
+
+def gather_full_weights(source: nn.Module, target: nn.Module) -> None:
+    """Load `source`'s weights into `target`, a plain (unsharded) copy of the same model, one parameter at a
+    time: each DTensor (an FSDP2 shard, a tensor-parallel part) is all-gathered, so every rank must call this
+    at the same point (the collectives follow `named_parameters` order). Parameters keep their identity, so
+    whatever holds `target` (an inference engine) sees the new weights; its buffers move to their device."""
+    params = dict(target.named_parameters())
+    names = [name for name, _ in source.named_parameters()]
+    if sorted(names) != sorted(params):
+        missing = sorted(set(names) ^ set(params))
+        raise ValueError(f"gather_full_weights: the models' parameters differ (e.g. {missing[0]}); target must "
+                         "be a copy of source made before it was laid out")
+    device = None
+    with torch.no_grad():
+        for name, param in source.named_parameters():
+            full = param.full_tensor() if is_dtensor(param) else param.detach()
+            params[name].data = full
+            device = full.device
+    if device is not None:
+        target.to(device)  # the buffers (rotary tables), which stay wherever the copy was made
+
+
+def release_weights(model: nn.Module) -> None:
+    """Free every parameter's storage (each becomes an empty tensor of its dtype and device) and keep the
+    modules, so `gather_full_weights` can fill them again."""
+    for param in model.parameters():
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)

@@ -3,6 +3,7 @@ being trained, scored by reward functions, with group-relative advantages and a 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -12,6 +13,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..inference import Engine, SamplingParams
+from ..parallel import configure_model as configure_layout
+from ..parallel import gather_full_weights, release_weights, weightless_copy
 from .base import Objective, frozen_copy, reference_scope
 from .environments import environment_spec_name, load_environment
 from .episodes import episode_metrics, row_columns, run_episodes, score_episodes
@@ -148,6 +151,9 @@ class GRPO(Objective):
         self.reward_history: list[float] = []  # mean reward of every rollout so far
         self._engine: Engine | None = None
         self._zero_std_streak = 0
+        # Under FSDP2 / tensor parallel: a plain copy of the policy, full weights only during a rollout. Kept out
+        # of the module tree (no checkpoint, optimizer or device move sees it).
+        object.__setattr__(self, "_rollout_model", None)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -157,21 +163,58 @@ class GRPO(Objective):
 
     # -- rollouts --------------------------------------------------------------------------------------
     def configure_model(self) -> None:
-        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+        """As every objective; under `strategy: fsdp2` (FSDP2 and/or tensor parallel) also a plain copy of the
+        policy for the rollouts (made before the layout, its weights freed until a rollout gathers them), and
+        the KL reference laid out as the policy is (sharded alike)."""
+        from lightning.pytorch.strategies import (
+            DDPStrategy,
+            DeepSpeedStrategy,
+            ModelParallelStrategy,
+            SingleDeviceStrategy,
+        )
 
         strategy = self.trainer.strategy if self._trainer is not None else None
         whole = isinstance(strategy, SingleDeviceStrategy) or (
             isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy))
-        if strategy is not None and not whole:
+        sharded = isinstance(strategy, ModelParallelStrategy)
+        if strategy is not None and not (whole or sharded):
             raise ValueError(
-                f"GRPO does not run under trainer.strategy={type(strategy).__name__}, which shards the model "
-                "(FSDP, tensor parallel, DeepSpeed): its rollouts decode on the whole model, step by step, on "
-                "each rank. Use trainer.strategy: ddp, or a single device")
+                f"GRPO does not run under trainer.strategy={type(strategy).__name__}: its rollouts need the whole "
+                "model on each rank, gathered from the shards only under FSDP2. Use trainer.strategy: fsdp2 "
+                "(FSDP2, tensor parallel), ddp, or a single device")
+        if sharded and self._rollout_model is None:
+            object.__setattr__(self, "_rollout_model", weightless_copy(self.model))
         super().configure_model()
+        if sharded and self.ref_model is not None:
+            configure_layout(self.ref_model, strategy)
 
-    def rollout_engine(self, prompt_ids: list[list[int]]) -> Engine:
-        """The engine on the live policy (self.model itself, not a copy), built on first use."""
-        param = next(self.model.parameters())
+    @contextlib.contextmanager
+    def _full_weights(self):
+        """The model the engine decodes on, with the policy's current weights: the policy itself, or under
+        FSDP2 / tensor parallel the rollout copy, gathered into on every rank at once (one parameter at a
+        time) and freed afterwards, with the engine's weight copies and cached K/V."""
+        if self._rollout_model is None:
+            yield self.model
+            return
+        with torch.inference_mode(False):
+            gather_full_weights(self.model, self._rollout_model)
+        try:
+            yield self._rollout_model
+        finally:
+            if self._engine is not None:
+                self._engine.weights_changed()
+            release_weights(self._rollout_model)
+
+    def _tensor_parallel_group(self):
+        """The tensor-parallel process group under tensor_parallel_size > 1, else None."""
+        mesh = getattr(self.trainer.strategy, "device_mesh", None) if self._rollout_model is not None else None
+        return mesh["tensor_parallel"].get_group() if mesh is not None and mesh["tensor_parallel"].size() > 1 else None
+
+    def rollout_engine(self, prompt_ids: list[list[int]], model: torch.nn.Module | None = None) -> Engine:
+        """The engine on `model`: the live policy (self.model itself, not a copy), or under FSDP2 the rollout
+        copy that `_full_weights` fills; built on first use."""
+        model = self.model if model is None else model
+        param = next(model.parameters())
         if self._engine is None or (self._engine.device, self._engine.dtype) != (param.device, param.dtype):
             if self.tokenizer is None:
                 raise ValueError("GRPO.tokenizer is None: completions must be decoded for the reward functions; "
@@ -180,7 +223,7 @@ class GRPO(Objective):
             tokens = hp.engine_max_total_tokens or pool_tokens(prompt_ids, hp.num_generations, self.completion_length,
                                                                hp.engine_page_size)
             with torch.inference_mode(False):
-                self._engine = Engine(self.model, self.tokenizer, page_size=hp.engine_page_size,
+                self._engine = Engine(model, self.tokenizer, page_size=hp.engine_page_size,
                                       max_total_tokens=tokens)
         return self._engine
 
@@ -206,6 +249,8 @@ class GRPO(Objective):
         for part in parts:  # both fixed for the whole rollout: scored once, not once per iteration
             if self.ref_model is not None:
                 part["ref_logps"] = self._logps(self.ref_model, part)
+                if hasattr(self.ref_model, "reshard"):  # FSDP2 keeps a root gathered until a backward: none here
+                    self.ref_model.reshard()
             elif hp.beta > 0:  # a LoRA run: its base is the reference
                 with reference_scope(self.model):
                     part["ref_logps"] = self._logps(self.model, part)
@@ -231,8 +276,21 @@ class GRPO(Objective):
 
     def _sample_and_score(self, batch: dict[str, list], params, group_size: int):
         """group_size completions (or episodes, with an environment) per prompt, their per-function rewards
-        (N, F), totals (N,) and the sampling metrics."""
-        prompt_ids, engine = batch["prompt_ids"], self.rollout_engine(batch["prompt_ids"])
+        (N, F), totals (N,) and the sampling metrics. Each rank samples its own prompts; under tensor parallel
+        the ranks of one group hold the same prompts, so the group's first rank samples and sends its results
+        to the others, which must train on the same completions."""
+        group = self._tensor_parallel_group()
+        with self._full_weights() as model:
+            if group is None:
+                return self._sample_and_score_on(model, batch, params, group_size)
+            first = torch.distributed.get_global_rank(group, 0)
+            results = [self._sample_and_score_on(model, batch, params, group_size)
+                       if torch.distributed.get_rank() == first else None]
+        torch.distributed.broadcast_object_list(results, src=first, group=group, device=self.device)
+        return results[0]
+
+    def _sample_and_score_on(self, model: torch.nn.Module, batch: dict[str, list], params, group_size: int):
+        prompt_ids, engine = batch["prompt_ids"], self.rollout_engine(batch["prompt_ids"], model)
         if self.environment is None:
             completions, seconds = sample(engine, prompt_ids, params)
             per_func, total = score(self.reward_funcs, self.reward_weights,
