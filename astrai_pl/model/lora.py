@@ -14,9 +14,12 @@ parameters, so the base keeps its state-dict keys and its Hugging Face export is
 
 `target_modules` as in PEFT: a list of module names, each matching a module whose Hugging Face name is it or ends
 in `.` + it; a string, matched as a regular expression against the whole Hugging Face module name; or
-`"all-linear"`: every projection of attention and of the dense or shared-expert MLP, never the output layer. The
-routed experts and the router of a MoE layer are not adapted: Hugging Face stores the experts fused (not as
-linear layers), so no PEFT adapter can name them; asking for them is refused.
+`"all-linear"`: every projection of attention and of the dense or shared-expert MLP, never the output layer; None:
+PEFT's default for the model type (q_proj and v_proj; RWKV: key, value, receptance, output, which by the suffix
+rule name the time mix's four projections and the channel mix's three, as in transformers' `RwkvForCausalLM`:
+`attention.key` … `attention.output`, `feed_forward.key|value|receptance`). The routed experts and the router
+of a MoE layer are not adapted: Hugging Face stores the experts fused (not as linear layers), so no PEFT
+adapter can name them; asking for them is refused.
 
 `modules_to_save` trains whole modules next to the adapters (e.g. `lm_head`, `embed_tokens`), saved in full in
 the adapter; their original weights are kept beside them, so that switching the adapters off (the reference
@@ -40,6 +43,7 @@ from .layers import Linear
 
 ALL_LINEAR = "all-linear"
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for llama, mistral, qwen2/3, mixtral
+RWKV_TARGETS = ("key", "value", "receptance", "output")  # PEFT's default for rwkv
 _NOT_ADAPTABLE = re.compile(r".*\.mlp\.(experts\.\d+\..*|gate)")  # routed experts, router
 _FIELD = "model.init_args.lora"
 _NESTED_REPEAT = re.compile(r"\((?:[^()\\]|\\.)*[*+}](?:[^()\\]|\\.)*\)\s*[*+{]")  # a group with a quantifier, quantified
@@ -57,7 +61,8 @@ class LoraConfig:
     """Dropout on the adapter's input during training (the base path is never dropped)."""
     target_modules: list[str] | str | None = None
     """Which projections get an adapter: a list of module names (matching a name or its last parts), a regex
-    over the whole Hugging Face module name, or "all-linear". None: q_proj and v_proj (PEFT's default)."""
+    over the whole Hugging Face module name, or "all-linear". None: PEFT's default, q_proj and v_proj (rwkv:
+    key, value, receptance and output)."""
     use_rslora: bool = False
     """Rank-stabilised LoRA (Kalajdzievski, 2023): scale by lora_alpha / √r."""
     modules_to_save: list[str] | None = None
@@ -180,8 +185,8 @@ def _matches(targets: list[str] | str, hf: str) -> bool:
 def target_names(model: nn.Module, lora: LoraConfig) -> list[str]:
     """Our names of the Linear modules `lora.target_modules` selects; ConfigError when it selects none, or the
     output layer under all-linear's meaning, or a MoE expert or router."""
-    targets = list(DEFAULT_TARGETS) if lora.target_modules is None else lora.target_modules
     model_type = model.config.model_type
+    targets = default_targets(model.config) if lora.target_modules is None else lora.target_modules
     chosen, refused = [], []
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or name == "lm_head" and targets == ALL_LINEAR:
@@ -198,10 +203,17 @@ def target_names(model: nn.Module, lora: LoraConfig) -> list[str]:
             "Hugging Face stores fused, so no PEFT adapter can hold them; target the attention projections "
             "(q_proj, k_proj, v_proj, o_proj) or use all-linear, which leaves the routed experts out")
     if not chosen:
+        names = ("attention.key, attention.value, attention.receptance, attention.output, feed_forward.key, "
+                 "feed_forward.value, feed_forward.receptance" if model.config.mixer == "rwkv" else
+                 "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
         raise ConfigError(f"{_FIELD}.target_modules={targets!r} matches no linear layer of this "
-                          f"{model_type} model; name some of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                          "down_proj, or use all-linear")
+                          f"{model_type} model; name some of {names}, or use all-linear")
     return chosen
+
+
+def default_targets(config) -> list[str]:
+    """PEFT's target_modules for a model type when none are given."""
+    return list(RWKV_TARGETS if config.mixer == "rwkv" else DEFAULT_TARGETS)
 
 
 def saved_module_names(model: nn.Module, lora: LoraConfig) -> list[str]:
