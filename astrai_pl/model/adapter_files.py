@@ -24,7 +24,7 @@ from torch import nn
 
 from ..atomic import partial_path, remove_path, replace_path
 from .config import ModelConfig
-from .hf import _check_finite, _open, _read_json
+from .hf import _check_finite, _open, _read_json, save_tokenizer
 from .hf_config import CheckpointError, CheckpointNotFoundError, ExportError, NonFiniteWeightError
 from .hf_keys import hf_name
 from .lora import LoraConfig, adapter_state, apply_lora, hf_module_name, lora_modules
@@ -84,7 +84,8 @@ def adapter_config_json(model: nn.Module, base_model_name_or_path: str | None = 
 
 def save_adapter(model: nn.Module, path: str | Path, tokenizer: Any = None,
                  base_model_name_or_path: str | None = None) -> None:
-    """Write `model`'s adapter as a PEFT directory (and the tokenizer's files, when given)."""
+    """Write `model`'s adapter as a PEFT directory (and the tokenizer's files, when given, as a model export
+    writes them: its chat template led by the BOS, `hf.save_tokenizer`)."""
     from .hf import nonfinite_tensors
 
     target = Path(path)
@@ -107,7 +108,7 @@ def save_adapter(model: nn.Module, path: str | Path, tokenizer: Any = None,
     try:
         save_file(state, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(work))
+            save_tokenizer(tokenizer, work)
         config = adapter_config_json(model, base_model_name_or_path)
         (work / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         replace_path(work, target)

@@ -350,7 +350,7 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = N
         raise
 
 
-def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+def save_tokenizer(tokenizer: Any, folder: Path) -> None:
     """The tokenizer's files; ours with its BOS in the chat template (Tokenizer.exported_chat_template), so that
     transformers and vLLM template a prompt into the ids our engine gives the model. Any other tokenizer object
     (e.g. a transformers one) is saved as it saves itself."""
@@ -367,7 +367,7 @@ def _write_files(work: Path, target: Path, tensors: list[tuple[str, torch.Tensor
     end_ids = list(getattr(tokenizer, "eos_token_ids", None) or [])
     _write_json(work / "generation_config.json", generation_config(cfg, end_ids))
     if tokenizer is not None:
-        _save_tokenizer(tokenizer, work)
+        save_tokenizer(tokenizer, work)
     if target.is_dir():
         _carry_over(target, work)
     dtype = str(tensors[0][1].dtype).removeprefix("torch.")

@@ -12,6 +12,7 @@ from astrai_pl.model.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_
 from astrai_pl.model.hf import CheckpointError
 from astrai_pl.model.hf_keys import export_tensors
 from astrai_pl.model.lora import LoraLinear, apply_lora, lora_modules, trainable_summary
+from astrai_pl.tokenizer import Tokenizer
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -140,6 +141,18 @@ def test_our_adapter_loads_in_peft_with_our_logits(tmp_path, model_type):
     theirs = peft_model(tmp_path / "base", tmp_path / "adapter")
     x = ids(model)
     torch.testing.assert_close(model(x).logits, theirs(x).logits, atol=1e-4, rtol=0)
+
+
+def test_an_adapter_s_tokenizer_templates_the_ids_its_model_was_trained_on(tmp_path):
+    """The adapter folder's chat template leads with the BOS, as a full export's does: transformers (and a
+    server) applying it give the ids our engine gives the model, every training row starting with BOS."""
+    tokenizer = Tokenizer.byte_level()
+    adapted("llama").save_pretrained(tmp_path / "adapter", tokenizer=tokenizer)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "adapter")
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    text = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ours = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    assert theirs(text, add_special_tokens=False).input_ids == [tokenizer.bos_token_id, *ours]
 
 
 @pytest.mark.parametrize("model_type", ROUND_TRIP)
