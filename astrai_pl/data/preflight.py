@@ -2,8 +2,9 @@
 
 `check_model_fit` refuses a tokenizer with more ids than the model's embedding has rows (before any row is
 encoded: at step 1 it would be an IndexError deep in the embedding); `check_tokenizer` runs the
-tokenizer-side checks on probe rows (special tokens exist, the chat template renders and renders each
-message the same alone as in the conversation, the end-of-turn token is trained in trained turns);
+tokenizer-side checks on probe rows (special tokens exist, the chat template renders, the end-of-turn token
+is trained in trained turns, several template sections only with a template that renders each message
+the same alone as in the conversation);
 `check_bos_once` and `check_trained_tokens` scan encoded rows.
 """
 
@@ -17,26 +18,19 @@ import numpy as np
 
 from .packing import column_of, ragged
 from .preprocess import (
+    PROBE_MESSAGES,
     Section,
     bos_pieces,
     encode_pieces,
     generation_prompt,
     render_example,
     render_message,
+    renders_per_message,
     section_pieces,
 )
 from .rows import DataError, Dropped, check_policy, log_skipped
 
 log = logging.getLogger(__name__)
-
-PROBE_MESSAGES = (
-    {"role": "system", "content": "You answer arithmetic questions."},
-    {"role": "user", "content": "What is 12 + 30?"},
-    {"role": "assistant", "content": "42"},
-    {"role": "user", "content": "And 7 - 9?"},
-    {"role": "assistant", "content": "-2"},
-)
-
 
 VOCAB_FIELD = "model.init_args.arch.vocab_size"
 
@@ -91,8 +85,9 @@ def check_special_tokens(tokenizer: Any, sections: Sequence[Section], vocab_size
 
 
 def check_template(tokenizer: Any, section: Section) -> None:
-    """The template renders the probe conversation, and rendering each message alone (then encoding
-    the masked/trained pieces) gives the same text and the same ids as rendering the whole of it."""
+    """The template renders the probe conversation. When rendering each message alone does not give the
+    whole render (`preprocess.renders_per_message`), conversations are rendered whole and masked by
+    prefix renders: said once in the log, with the first difference."""
     messages = _probe(section)
     try:
         whole = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -102,26 +97,31 @@ def check_template(tokenizer: Any, section: Section) -> None:
             section.field,
             "fix the tokenizer's chat_template (tokenizer_config.json)",
         ) from err
+    if renders_per_message(tokenizer):
+        return
     bos = getattr(tokenizer, "bos_token", None)
     whole = whole[len(bos) :] if bos and whole.startswith(bos) else whole
-    parts = "".join(render_message(tokenizer, m, section.field) for m in messages)
-    if parts != whole:
-        at = next((i for i, (a, b) in enumerate(zip(parts, whole)) if a != b), min(len(parts), len(whole)))
+    try:
+        parts = "".join(render_message(tokenizer, m, section.field) for m in messages)
+    except DataError as err:
+        parts = f"(a lone message does not render: {err.reason})"
+    at = next((i for i, (a, b) in enumerate(zip(parts, whole)) if a != b), min(len(parts), len(whole)))
+    log.info("the chat template renders messages depending on each other (alone %r vs whole %r at character "
+             "%d, or tokens merge across messages): '%s' is rendered whole and masked by prefix renders",
+             parts[at : at + 40], whole[at : at + 40], at, section.field)
+
+
+def check_sections_render(tokenizer: Any, sections: Sequence[Section]) -> None:
+    """Several template sections (prompt/completion as messages, preference pairs) are rendered each on
+    its own and joined, which needs a template that renders each message independently."""
+    fields = [s.field for s in sections if s.template]
+    if len(fields) > 1 and not renders_per_message(tokenizer):
         raise DataError(
-            f"messages rendered one by one differ from the whole conversation at character {at}: "
-            f"{parts[at : at + 40]!r} vs {whole[at : at + 40]!r} (the template depends on other "
-            "messages, e.g. adds a default system prompt)",
-            section.field,
-            "use a template that renders each message independently (e.g. ChatML)",
-        )
-    pieces = section_pieces({section.field: messages}, section, tokenizer, generation_prompt(tokenizer))
-    ((ids, _),) = encode_pieces([pieces], tokenizer)
-    if ids != tokenizer.encode(whole, add_special_tokens=False):
-        raise DataError(
-            "encoding messages (and their role headers) one by one gives other ids than encoding "
-            "the whole conversation: tokens merge across a boundary",
-            section.field,
-            "use a tokenizer whose template separates messages with special tokens",
+            f"the chat template renders messages depending on each other (e.g. a system header before any "
+            f"conversation), so the template sections {fields} cannot be rendered one by one and joined",
+            fields[0],
+            "give each row its whole conversation in one 'messages' field (sections: messages), or use a "
+            "template that renders each message independently (e.g. ChatML)",
         )
 
 
@@ -139,6 +139,9 @@ def check_end_of_turn(tokenizer: Any, sections: Sequence[Section]) -> None:
                     f"set eos: true on the section for '{section.field}'",
                 )
             continue
+        if not renders_per_message(tokenizer):
+            _check_whole_end_of_turn(tokenizer, section, stops)
+            continue
         for message in _probe(section):
             if section.roles[message["role"]] != "train":
                 continue
@@ -155,9 +158,33 @@ def check_end_of_turn(tokenizer: Any, sections: Sequence[Section]) -> None:
                 )
 
 
+def _check_whole_end_of_turn(tokenizer: Any, section: Section, stops: set[int]) -> None:
+    """The probe conversation rendered whole: each trained message is one trained span that holds a stop id."""
+    messages = _probe(section)
+    pieces = section_pieces({section.field: messages}, section, tokenizer, "")
+    runs = [ids for ids, trained in pieces if trained]  # whole renders give literal ids
+    turns = [m["role"] for m in messages if section.roles[m["role"]] == "train"]
+    if len(runs) != len(turns):
+        raise DataError(
+            f"the {len(turns)} trained turn(s) of a probe conversation rendered whole give {len(runs)} trained "
+            "span(s): rendering the conversation up to each turn does not agree with rendering all of it",
+            section.field,
+            "use a chat template whose render of a conversation starts with the render of its first turns",
+        )
+    for role, ids in zip(turns, runs):
+        if not stops.intersection(ids):
+            raise DataError(
+                f"a trained {role!r} turn trains {tokenizer.decode(ids)!r}, which holds none of the "
+                f"end-of-generation ids {sorted(stops)}",
+                section.field,
+                "name the template's end-of-turn token as eos_token in tokenizer_config.json",
+            )
+
+
 def check_tokenizer(tokenizer: Any, sections: Sequence[Section], vocab_size: int | None = None) -> None:
     """All tokenizer-side preflight checks for `sections`."""
     check_special_tokens(tokenizer, sections, vocab_size)
+    check_sections_render(tokenizer, sections)
     for section in sections:
         if section.template:
             check_template(tokenizer, section)

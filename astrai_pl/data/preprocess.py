@@ -4,17 +4,23 @@ A `Section` names a field and what happens to it.
 
 - Template mode (`template=True`): the field holds a conversation (`[{role, content}, …]`, or a string
   taken as one message of `role`). The row starts with BOS (masked; skipped when the tokenizer has
-  none). Each message is rendered *alone* through the chat template, encoded without added special
-  tokens, and masked by its role's rule (default: system and user masked, assistant trained). In a
-  trained message the role header — the text the template adds for `add_generation_prompt`, e.g.
-  `<|im_start|>assistant\\n` — stays masked, because at inference the prompt supplies it; the content,
-  the end-of-turn token (`<|im_end|>`) and the template's text after it (ChatML's newline) are
-  trained, so the model learns to stop. A BOS the template renders itself is removed from each
-  message's render (BOS is added once, at the start). Rendering messages alone and concatenating
-  them equals rendering the whole conversation for templates that render each message
-  independently (ChatML, the byte tokenizer's template); `preflight.check_template` verifies it for
-  the tokenizer at hand and names the first difference otherwise. The ids equal `transformers`'
-  `apply_chat_template(messages)` on the same tokenizer files with BOS prepended.
+  none). Messages are masked by their role's rule (default: system, user and tool masked, assistant
+  trained). In a trained message the role header — the text the template adds for
+  `add_generation_prompt`, e.g. `<|im_start|>assistant\\n` — stays masked, because at inference the
+  prompt supplies it; the content, the end-of-turn token (`<|im_end|>`) and the template's text after
+  it (ChatML's newline) are trained, so the model learns to stop. A BOS the template renders itself is
+  removed (BOS is added once, at the start). Two ways to render, chosen per tokenizer and row:
+  * message by message, when the template renders each message independently (ChatML, the byte
+    tokenizer's template: `renders_per_message` probes it once per template): each message is
+    rendered alone, encoded without added special tokens and masked by its role;
+  * the conversation whole, when it does not (a template that writes a system header with a date
+    before any conversation, as Llama 3.1's, or a default system prompt, or whose tokens merge across
+    messages) and for every conversation with tools, tool calls or tool results (schemas go into the
+    system or first user turn, results are grouped): the render of the whole conversation is encoded
+    once, and each trained message's span is located by rendering prefixes of the conversation
+    (`_conversation_pieces`).
+  Either way the ids equal `transformers`' `apply_chat_template(messages, tools=…)` on the same
+  tokenizer files with BOS prepended.
 - Non-template mode: the field is a string encoded as text; `action` "train" or "mask" sets the
   mask of all its tokens; `eos=True` appends the EOS token with the same action. No BOS is added.
 
@@ -255,14 +261,48 @@ def _shared(a: str, b: str) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
+PROBE_MESSAGES = (
+    {"role": "system", "content": "You answer arithmetic questions."},
+    {"role": "user", "content": "What is 12 + 30?"},
+    {"role": "assistant", "content": "42"},
+    {"role": "user", "content": "And 7 - 9?"},
+    {"role": "assistant", "content": "-2"},
+)
+_PER_MESSAGE: dict[tuple[Any, ...], bool] = {}  # (tokenizer class, template, specials) -> renders_per_message
+
+
+def renders_per_message(tokenizer: Any) -> bool:
+    """Whether the chat template renders each message independently: the probe conversation's messages
+    rendered alone and joined give the text of the whole render, and encode to the same ids. Probed once
+    per template; False also when a lone message does not render (a template demanding alternation)."""
+    specials = getattr(tokenizer, "special_tokens", None) or getattr(tokenizer, "special_tokens_map", {})
+    key = (type(tokenizer), tokenizer.chat_template, json.dumps(specials, sort_keys=True, default=str))
+    if key not in _PER_MESSAGE:
+        messages, section = list(PROBE_MESSAGES), Section("messages", template=True)
+        try:
+            whole = _render(tokenizer, messages, section.field)
+            pieces = _message_pieces(messages, section, tokenizer, generation_prompt(tokenizer))
+        except DataError:
+            _PER_MESSAGE[key] = False
+        else:
+            same_text = "".join(p for p, _ in pieces) == whole
+            _PER_MESSAGE[key] = same_text and encode_pieces([pieces], tokenizer)[0][0] == tokenizer.encode(
+                whole, add_special_tokens=False)
+    return _PER_MESSAGE[key]
+
+
 def _conversation_pieces(
     messages: list[dict[str, Any]], section: Section, tokenizer: Any, tools: list | None
 ) -> list[Piece]:
     """The conversation rendered whole (tools in the system or first user turn, consecutive tool results
-    grouped, as the template decides), encoded once, so the ids are `apply_chat_template(messages,
-    tools=tools, tokenize=True)`'s. A trained message's span is where the render of the messages up to
-    and including it stops agreeing with the whole; it starts after the assistant header the template
-    writes for `add_generation_prompt` at that point (the prompt supplies it at inference)."""
+    grouped, a dated system header, as the template decides), encoded once, so the ids are
+    `apply_chat_template(messages, tools=tools, tokenize=True)`'s. A trained message's span is found by
+    rendering prefixes: it ends where the render of the messages up to and including it stops agreeing
+    with the whole, and starts after the render of the messages before it with `add_generation_prompt`
+    (the assistant header, which the prompt supplies at inference). A token trains when its first
+    character lies in a span. Rendering prefixes costs one render per trained turn and one for the
+    header before it; a template that renders a turn differently once later turns follow (one that
+    drops earlier reasoning) trains only the part both renders share."""
     options = {"tools": tools} if tools else {}
     whole = _render(tokenizer, messages, section.field, **options)
     spans: dict[int, tuple[int, int]] = {}  # trained message -> its characters in `whole`
@@ -307,7 +347,7 @@ def section_pieces(row: dict[str, Any], section: Section, tokenizer: Any, header
     value = section_value(row, section)
     if section.template:
         tools = row_tools(row, section)
-        if uses_tools(value, tools):
+        if uses_tools(value, tools) or not renders_per_message(tokenizer):
             return _conversation_pieces(value, section, tokenizer, tools)
         return _message_pieces(value, section, tokenizer, header)
     trained = int(section.action == "train")

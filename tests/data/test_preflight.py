@@ -46,13 +46,24 @@ def test_template_that_does_not_render():
         check_tokenizer(byte_tokenizer(broken), MESSAGES)
 
 
-def test_template_that_depends_on_other_messages():
+def test_template_that_depends_on_other_messages_renders_whole(caplog):
+    """A default system prompt: one conversation is rendered whole and masked by prefixes (ids as the
+    whole render, the assistant's answer trained); sections rendered one by one and joined are refused."""
     default_system = (
         "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n"
         "{% endif %}" + CHATML_TEMPLATE
     )
-    with pytest.raises(DataError, match="rendered one by one differ from the whole conversation"):
-        check_tokenizer(byte_tokenizer(default_system), MESSAGES)
+    tok = byte_tokenizer(default_system)
+    with caplog.at_level("INFO"):
+        check_tokenizer(tok, MESSAGES)
+    assert "rendered whole and masked by prefix renders" in caplog.text
+    messages = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}]
+    row = encode_row({"messages": messages}, MESSAGES, tok)
+    assert row["input_ids"] == [tok.bos_token_id, *tok.apply_chat_template(messages)]
+    assert describe_example([row], tok).endswith("You are helpful.<|im_end|>\n<|im_start|>user\nWhat is 1 + 1?"
+                                                 "<|im_end|>\n<|im_start|>assistant\n[[2<|im_end|>\n]]")
+    with pytest.raises(DataError, match=r"field 'prompt': .*sections \['prompt', 'chosen', 'rejected'\] cannot"):
+        check_tokenizer(tok, preset_sections("preference"))
 
 
 def test_end_of_turn_must_be_trained():

@@ -1,7 +1,9 @@
 """Tool-calling conversations: `tools` reach the chat template, `tool` results and assistant `tool_calls` render
 as transformers renders them (ids identical to `apply_chat_template(messages, tools=..., tokenize=True)`), and the
 loss mask trains the assistant's calls and answers only. Two templates in the manner of Qwen2.5 (tools in the
-system turn, consecutive results grouped in one user turn) and Llama 3.1 (tools in the first user turn)."""
+system turn, consecutive results grouped in one user turn) and Llama 3.1 (a dated system header before every
+conversation, tools in the first user turn), which renders no message independently of the others: its
+conversations are rendered whole and masked by prefix renders, with tools or without."""
 
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ HEADERS_TOOLS = (
     "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set rest = messages[1:] %}"
     "{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}"
     "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}{%- if tools %}{{- 'Environment: ipython\\n' }}{%- endif %}"
+    "{{- 'Cutting Knowledge Date: December 2023\\n' }}"
     "{{- 'Today Date: ' + (date_string if date_string is defined else '26 Jul 2024') + '\\n\\n' + system + '<|eot_id|>' }}"
     "{%- for message in rest %}"
     "{%- if loop.first and tools and message.role == 'user' %}"
@@ -242,3 +245,41 @@ def test_the_shipped_tool_config_prepares_and_prints_a_row_with_its_tools(tmp_pa
     shown = caplog.text
     assert "<tools>" in shown and "[[<tool_call>" in shown and "]]<|im_start|>user\n<tool_response>" in shown
     assert len(data.train_set) > 0
+
+
+PLAIN = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 * 7?"},
+         {"role": "assistant", "content": "84"}, {"role": "user", "content": "And 5 + 5?"},
+         {"role": "assistant", "content": "10"}]
+
+
+@pytest.mark.parametrize("messages", [PLAIN, PLAIN[1:3]], ids=["system", "no_system"])
+def test_a_conversation_without_tools_encodes_as_transformers_renders_it(tokenizers_pair, messages):
+    """Llama 3.1's system header (with its date) precedes every conversation: rendering messages alone would
+    repeat it before each one."""
+    _, ours, hf = tokenizers_pair
+    out = encode_row({"messages": messages}, preset_sections("messages"), ours)
+    assert out["input_ids"] == hf.apply_chat_template(messages, tokenize=True, return_dict=False)
+    runs = [run.rstrip("\n") for run in _trained_texts(ours, out)]
+    assert runs == [m["content"] + ours.eos_token for m in messages if m["role"] == "assistant"]
+
+
+def test_sft_data_prepares_tool_rows_with_a_llama_style_template(tmp_path, tmp_path_factory, caplog):
+    """Preflight accepts the template, prints one rendered row (tools in the first user turn, the call
+    trained, the tool's result not) and every row is encoded as transformers renders it."""
+    folder, hf = _folder(tmp_path_factory, "headers")
+    rows = [{"messages": CONVERSATION, "tools": [CALCULATOR, WEATHER]}, {"messages": PLAIN}] * 4
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = SFTData(path=str(path), tokenizer=str(folder), cache_dir=str(tmp_path / "cache"), max_seq_len=1024,
+                   packing="none", val_fraction=0.3, batch_size=2)
+    with caplog.at_level(logging.INFO):
+        data.setup("fit")
+    shown = caplog.text
+    assert "Cutting Knowledge Date" in shown and '"name": "calculator"' in shown
+    assert '[[{"name": "calculator", "parameters": {"expression": "12 * 7"}}<|eot_id|>]]' in shown
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\n84<|eot_id|>" in shown  # masked: outside [[ ]]
+    for example in [*data.train_set, *data.val_set]:
+        ids = example["input_ids"]
+        original = rows[0] if "ipython" in hf.decode(ids) else rows[1]
+        assert ids == hf.apply_chat_template(original["messages"], tools=original.get("tools"), tokenize=True,
+                                             return_dict=False)
