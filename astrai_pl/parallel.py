@@ -113,22 +113,45 @@ def compile_blocks(model: Transformer, **options: Any) -> None:
 
 
 # -- tensor parallelism -----------------------------------------------------------------------------------
-def _block_plan() -> dict[str, Any]:
+# The projections of a block split column-wise (their outputs) and row-wise (their inputs), by mixer.
+# RWKV-4: the wkv recurrence runs per channel, so each rank runs it on its own channels of the time mix's k and
+# v, with time_decay and time_first sharded alike (`_shard_rwkv_vectors`); the channel mix's receptance gates
+# the all-reduced value output, so it stays whole (replicated).
+TP_LAYOUT = {
+    "attention": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                   "mlp.up_proj"), ("self_attn.o_proj", "mlp.down_proj")),
+    "rwkv": (("attention.key", "attention.value", "attention.receptance", "feed_forward.key"),
+             ("attention.output", "feed_forward.value")),
+}
+
+
+def _block_plan(mixer: str = "attention") -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    col, row = ColwiseParallel(), RowwiseParallel()
-    return {
-        "self_attn.q_proj": col,
-        "self_attn.k_proj": col,
-        "self_attn.v_proj": col,
-        "self_attn.o_proj": row,
-        "mlp.gate_proj": col,
-        "mlp.up_proj": col,
-        "mlp.down_proj": row,
-    }
+    columns, rows = TP_LAYOUT[mixer]
+    return {**{name: ColwiseParallel() for name in columns}, **{name: RowwiseParallel() for name in rows}}
+
+
+def _shard_rwkv_vectors(block: nn.Module, mesh) -> None:
+    """time_decay and time_first as DTensors sharded on their channels like the key/value outputs, the
+    token-shift μ replicated (they mix the whole input); rwkv.local gives the forward each rank's part."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    for mix in (block.attention, block.feed_forward):
+        for name, param in list(mix.named_parameters(recurse=False)):
+            layout = [Shard(0)] if name in ("time_decay", "time_first") else [Replicate()]
+            sharded = nn.Parameter(distribute_tensor(param.data, mesh, layout), param.requires_grad)
+            mix.register_parameter(name, sharded)
 
 
 def check_tensor_parallel(cfg, tp: int) -> None:
+    if cfg.mixer == "rwkv":
+        for name in ("hidden_size", "intermediate_size"):
+            if getattr(cfg, name) % tp:
+                raise ParallelConfigError(
+                    f"tensor_parallel_size={tp} does not divide ModelConfig.{name}={getattr(cfg, name)}; "
+                    "pick a size that divides the RWKV width and the channel mix width")
+        return
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if getattr(cfg, name) % tp:
             raise ParallelConfigError(
@@ -168,7 +191,8 @@ def _local_output(module, output, mesh):
 
 def apply_tensor_parallel(model: Transformer, mesh) -> None:
     """Megatron-style plan: q/k/v and gate/up column-wise, o_proj and down_proj row-wise (one all-reduce
-    after attention and one after the MLP). Every other parameter becomes a DTensor replicated over the
+    after attention and one after the MLP; RWKV: `TP_LAYOUT`, one after each mix). Every other parameter
+    becomes a DTensor replicated over the
     mesh, so all parameters share one mesh and gradient clipping sees one norm."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module
     from torch.distributed.tensor.parallel import parallelize_module
@@ -183,12 +207,16 @@ def apply_tensor_parallel(model: Transformer, mesh) -> None:
     check_tensor_parallel(model.config, tp)
     tied = model.lm_head.weight is model.embed_tokens.weight
     for block in model.layers:
-        parallelize_module(block, mesh, _block_plan())
+        parallelize_module(block, mesh, _block_plan(model.config.mixer))
+        if model.config.mixer == "rwkv":
+            _shard_rwkv_vectors(block, mesh)
+            continue
         block.self_attn.n_heads //= tp
         block.self_attn.n_kv_heads //= tp
     for name, module in model.named_modules():
         head_norm = name.endswith(("q_norm", "k_norm"))  # acts on this rank's heads: (B, T, H/tp, D)
-        if isinstance(module, (RMSNorm, GemmaRMSNorm, nn.Embedding)) or name == "lm_head":
+        whole = name == "lm_head" or name.endswith("feed_forward.receptance")  # RWKV's gate: replicated
+        if isinstance(module, (RMSNorm, GemmaRMSNorm, nn.LayerNorm, nn.Embedding)) or whole:
             layout = [Shard(2)] if head_norm else [Replicate()]
             distribute_module(module, mesh, input_fn=_replicated_input(layout), output_fn=_local_output)
     if tied:
@@ -251,6 +279,7 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 
 def _has_dtensors(model: nn.Module) -> bool:
     return any(is_dtensor(p) for p in model.parameters())
+
 
 # -- full weights for inference ------------------------------------------------------------------------------
 def weightless_copy(model: nn.Module) -> nn.Module:

@@ -164,6 +164,12 @@ def _mix(x: torch.Tensor, shifted: torch.Tensor, mu: torch.Tensor) -> torch.Tens
     return x * mu + shifted * (1 - mu)
 
 
+def local(param: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter: under tensor parallelism (parallel.py) the DTensor's local tensor,
+    time_decay and time_first the channels of this rank's key/value shard, the μ whole; else the parameter."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
 # -- modules ------------------------------------------------------------------------------------------------
 class TimeMix(nn.Module):
     """The time mix: token shift, receptance gate, the wkv recurrence. Parameter names are transformers'
@@ -183,10 +189,10 @@ class TimeMix(nn.Module):
     def forward(self, x, state: LayerState | None, resets):
         """(output (B, T, H), last input (B, H), (aa, bb, pp)) for x (B, T, H)."""
         shifted = token_shift(x, None if state is None else state.att_shift, resets)
-        k = self.key(_mix(x, shifted, self.time_mix_key))
-        v = self.value(_mix(x, shifted, self.time_mix_value))
-        r = torch.sigmoid(self.receptance(_mix(x, shifted, self.time_mix_receptance)))
-        out, recurrent = wkv(-torch.exp(self.time_decay.float()), self.time_first, k, v,
+        k = self.key(_mix(x, shifted, local(self.time_mix_key)))
+        v = self.value(_mix(x, shifted, local(self.time_mix_value)))
+        r = torch.sigmoid(self.receptance(_mix(x, shifted, local(self.time_mix_receptance))))
+        out, recurrent = wkv(-torch.exp(local(self.time_decay).float()), local(self.time_first), k, v,
                              None if state is None else state[2:], resets)
         return self.output(r * out), x[:, -1], recurrent
 
@@ -205,8 +211,8 @@ class ChannelMix(nn.Module):
     def forward(self, x, state: LayerState | None, resets):
         """(output (B, T, H), last input (B, H)) for x (B, T, H)."""
         shifted = token_shift(x, None if state is None else state.ffn_shift, resets)
-        k = torch.square(torch.relu(self.key(_mix(x, shifted, self.time_mix_key))))
-        r = torch.sigmoid(self.receptance(_mix(x, shifted, self.time_mix_receptance)))
+        k = torch.square(torch.relu(self.key(_mix(x, shifted, local(self.time_mix_key)))))
+        r = torch.sigmoid(self.receptance(_mix(x, shifted, local(self.time_mix_receptance))))
         return r * self.value(k), x[:, -1]
 
 
