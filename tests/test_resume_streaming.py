@@ -1,6 +1,6 @@
-"""Exact resume of a streamed, mixed corpus: a run killed by SIGKILL and resumed with `--ckpt_path last`
-logs the same loss at every later step and ends with the same weights, bit for bit, as the run that was
-never interrupted; the checkpoint holds the stream's position after the last trained batch."""
+"""Exact resume of a streamed, mixed corpus and of streamed SFT rows: a run killed by SIGKILL and resumed with
+`--ckpt_path last` logs the same loss at every later step and ends with the same weights, bit for bit, as the
+run that was never interrupted; the checkpoint holds the stream's position after the last trained batch."""
 
 from __future__ import annotations
 
@@ -55,26 +55,74 @@ def reference(tmp_path_factory, shards):
     return launch(config), config.parent
 
 
-def test_sigkill_mid_mixture_then_resume_is_bit_identical(tmp_path, shards, reference):
-    config = _config(tmp_path, shards)
+def _kill_mid_run(config, folder):
+    """Launch `config`, SIGKILL it after a few logged steps: the checkpoint's loader state and step."""
     proc = launch(config)
-    wait_for_lines(tmp_path / "metrics.jsonl", random.Random().randint(3, 5), proc)
+    wait_for_lines(folder / "metrics.jsonl", random.Random().randint(3, 5), proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    ckpt = read_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    ckpt = read_checkpoint(folder / "ckpt" / "last.ckpt")
     (loader,) = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-    step = ckpt["global_step"]
-    assert 0 < step < MAX_STEPS
+    assert 0 < ckpt["global_step"] < MAX_STEPS
+    return loader, ckpt["global_step"]
+
+
+def _assert_resumed_like(reference, folder, step):
+    """The resumed run logged the reference's losses from `step` on and ends with its weights, bit for bit."""
+    expected, got = losses(reference), losses(folder)
+    later = [s for s in expected if s >= step]
+    assert later and [got[s] for s in later] == [expected[s] for s in later]
+    ref_weights, weights = final_weights(reference), final_weights(folder)
+    assert all(torch.equal(ref_weights[k], weights[k]) for k in ref_weights)
+
+
+def test_sigkill_mid_mixture_then_resume_is_bit_identical(tmp_path, shards, reference):
+    config = _config(tmp_path, shards)
+    loader, step = _kill_mid_run(config, tmp_path)
     assert loader["batches"] == step * ACCUMULATE  # the trained batches, not those fetched ahead
     assert all(t > 0 for t in loader["tokens"])  # both sources were read: the kill fell mid-mixture
 
     finish(launch(config, "--ckpt_path", "last"))
     ref_proc, ref_folder = reference
     finish(ref_proc)
-    expected, got = losses(ref_folder), losses(tmp_path)
-    later = [s for s in expected if s >= step]
-    assert later and [got[s] for s in later] == [expected[s] for s in later]
-    ref_weights, weights = final_weights(ref_folder), final_weights(tmp_path)
-    assert all(torch.equal(ref_weights[k], weights[k]) for k in ref_weights)
+    _assert_resumed_like(ref_folder, tmp_path, step)
     shares = losses(ref_folder, "data/share/code")
     assert shares and all(0 < v < 1 for v in shares.values())  # the realised mixture is logged
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chats")
+    rng = random.Random(0)
+    for k in range(2):
+        with open(folder / f"chat-{k}.jsonl", "w") as f:
+            for _ in range(40):
+                a, b = rng.randint(0, 99), rng.randint(0, 99)
+                f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                                                 {"role": "assistant", "content": str(a + b)}]}) + "\n")
+    return folder
+
+
+def _sft_config(folder, chats):
+    path = debug_config(folder, chats / "chat-0.jsonl", max_steps=MAX_STEPS, accumulate=ACCUMULATE,
+                        every_n_train_steps=2, batch_size=4)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"]["class_path"] = "astrai_pl.objectives.SFT"
+    cfg["data"] = {"class_path": "astrai_pl.data.SFTData", "init_args": {
+        "path": str(chats / "chat-*.jsonl"), "tokenizer": "byte", "streaming": True, "max_seq_len": 64,
+        "batch_size": 2, "val_rows": 4, "shuffle_rows": 8, "cache_dir": str(folder / "cache")}}
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def test_sft_stream_sigkill_then_resume_is_bit_identical(tmp_path, tmp_path_factory, chats):
+    """Packed SFT examples streamed with accumulation windows: the resumed run's losses and weights are the
+    uninterrupted run's, and the checkpoint counts only the trained batches."""
+    reference = tmp_path_factory.mktemp("sft-reference")
+    ref_proc = launch(_sft_config(reference, chats))
+    config = _sft_config(tmp_path, chats)
+    loader, step = _kill_mid_run(config, tmp_path)
+    assert loader["inner"]["batches"] == step * ACCUMULATE  # the trained batches: nothing fetched ahead
+    finish(launch(config, "--ckpt_path", "last"))
+    finish(ref_proc)
+    _assert_resumed_like(reference, tmp_path, step)

@@ -11,8 +11,9 @@ from torch.utils.data import DataLoader
 from .base import RowsData
 from .packing import check_options, collate, pack_rows
 from .preflight import check_trained_tokens, describe_example
+from .row_stream import RowStream
 from .sampling import resumable_loader
-from .sources import Encoded, announce
+from .sources import Encoded, announce, model_vocab_size
 from .windows import windowed
 
 
@@ -23,6 +24,7 @@ class SFTData(RowsData):
     [[ ]]. Train batches carry `window_tokens` (the trained targets of their accumulation window) so the
     objective's loss is the exact token mean over each window; the train loader's position travels in
     checkpoints (`sampling.StatefulLoader`), so a resumed run sees exactly the batches it would have.
+    With `streaming: true` the rows are read, encoded and packed on the fly instead (`data/row_stream.py`).
     """
 
     kind = "sft"
@@ -34,6 +36,9 @@ class SFTData(RowsData):
         packing: str = "bfd",
         truncation: str = "right",
         position_ids: str = "doc_reset",
+        streaming: bool = False,
+        val_rows: int = 64,
+        shuffle_rows: int = 1024,
         **kwargs: Any,
     ):
         """
@@ -44,12 +49,27 @@ class SFTData(RowsData):
             truncation: A row longer than max_seq_len (packing none/bfd): 'right' keeps its head, 'left' its
                 tail, 'drop' drops it. Counts are logged.
             position_ids: 'doc_reset' (restart at 0 per packed document), 'continuous' or 'none'.
+            streaming: Read the rows of `path` (a file or a glob: jsonl, parquet, json, csv, arrow) lazily,
+                encode, mask and pack them on the fly, never holding the data set in memory (needs
+                trainer.max_steps); the stream's position is saved in checkpoints. See docs/data.md.
+            val_rows: Streaming only: the first val_rows rows of the first file validate and never train.
+            shuffle_rows: Streaming only: rows read, shuffled, encoded and packed together (0: file order).
             **kwargs: The options every post-training data module shares (path, tokenizer, sections, split,
                 val_split, val_fraction, on_bad_row, batch_size, num_proc, num_workers, cache_dir, seed,
                 synthetic): see `RowsData`.
         """
         check_options(max_seq_len, packing, truncation, position_ids)
+        if val_rows < 0 or shuffle_rows < 0:
+            raise ValueError(f"SFTData: val_rows={val_rows}, shuffle_rows={shuffle_rows}; give counts >= 0")
         super().__init__(**kwargs)
+        self.stream: RowStream | None = None
+
+    def _prepare(self) -> None:
+        if not self.hparams.streaming:
+            return super()._prepare()
+        if self.stream is None:
+            self.stream = RowStream(self.hparams, self.tokenizer, self._sections_spec, model_vocab_size(self.trainer))
+            self.sections, self.val_set = self.stream.sections, self.stream.val_set
 
     def _build(self, splits: dict[str, Encoded]) -> None:
         hp = self.hparams
@@ -87,6 +107,8 @@ class SFTData(RowsData):
         """Shuffled examples split over the data-parallel ranks, tagged per accumulation window; the
         position (epoch, batches handed out) is saved in checkpoints, so a resumed run continues exactly."""
         hp = self.hparams
+        if hp.streaming:
+            return windowed(self.stream.train_loader(self.trainer), self.trainer)
         collate_fn = partial(collate, pad_id=self.tokenizer.pad_token_id)
         loader = resumable_loader(self.train_set, hp.batch_size, hp.seed, self.trainer, collate_fn,
                                   num_workers=hp.num_workers)

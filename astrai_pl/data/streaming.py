@@ -107,56 +107,85 @@ def stream_sources(path: str | Sequence[str] | None, sources: Sequence[dict] | N
 # --- reading one file ------------------------------------------------------------------------------
 
 
-def read_rows(file: str, text_field: str, start: int) -> Iterator[str | None]:
-    """The text of each document of `file` from row `start` on (None: no text), read lazily."""
+def read_batches(file: str, start: int) -> Iterator[dict[str, list]]:
+    """Column batches of `file` from row `start` on, read lazily through `datasets`' iterable datasets;
+    whatever the reader raises on a malformed file is a DataError naming it."""
     loader = STREAM_LOADERS[Path(file).suffix]
-    field = "text" if loader == "text" else text_field
     dataset = load_dataset(loader, data_files=file, split="train", streaming=True)
     if start:
         dataset = dataset.skip(start)
+    row, batches = start, iter(dataset.iter(batch_size=READ_ROWS))
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as err:  # a malformed file: name it, whatever the reader raised
+            raise DataError(f"could not be read past row {row} ({type(err).__name__}: {err})",
+                            fix="repair or remove the file", source=file) from err
+        row += len(next(iter(batch.values()), ()))
+        yield batch
+
+
+def read_rows(file: str, text_field: str, start: int) -> Iterator[str | None]:
+    """The text of each document of `file` from row `start` on (None: no text), read lazily."""
+    field = "text" if STREAM_LOADERS[Path(file).suffix] == "text" else text_field
     row = start
-    try:
-        for batch in dataset.iter(batch_size=READ_ROWS):
-            if field not in batch:
-                raise DataError(f"no column {field!r} (columns: {', '.join(batch) or 'none'})", "text_field",
-                                "set text_field to the column that holds the documents' text", source=file)
-            for text in batch[field]:
-                row += 1
-                if text is not None and not isinstance(text, str):
-                    raise DataError(f"expected a string or null, got {type(text).__name__}", field,
-                                    "store the documents' text as strings", source=file, line=row, unit="row")
-                yield text
-    except DataError:
-        raise
-    except Exception as err:  # a malformed file: name it, whatever the reader raised
-        raise DataError(f"could not be read past row {row} ({type(err).__name__}: {err})",
-                        fix="repair or remove the file", source=file) from err
+    for batch in read_batches(file, start):
+        if field not in batch:
+            raise DataError(f"no column {field!r} (columns: {', '.join(batch) or 'none'})", "text_field",
+                            "set text_field to the column that holds the documents' text", source=file)
+        for text in batch[field]:
+            row += 1
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"expected a string or null, got {type(text).__name__}", field,
+                                "store the documents' text as strings", source=file, line=row, unit="row")
+            yield text
 
 
 # --- one source as a stream of tokens ----------------------------------------------------------------
 
 
 def fresh_position(skip_first: int) -> dict[str, Any]:
-    return {"pass": 0, "file": 0, "row": None, "taken": 0, "buffer": [], "skip": skip_first}
+    return {"pass": 0, "file": 0, "row": None, "taken": 0, "skip": skip_first}
 
 
-class SourceStream:
-    """A source's documents, pass after pass, as tokens; `position` says exactly where it stands.
+class BlockWalk:
+    """A source's files read block by block, pass after pass, each block turned into units (`_prepare`:
+    a subclass's documents' ids, packed examples); `position` says exactly where it stands: the pass, the
+    file, the first row of the block and the units of it taken. Nothing else is kept: a block is a pure
+    function of (seed, source, pass, file, row), so a restored position reads it again.
 
-    `skip_first` rows of the source's first file (in sorted order) are never trained: they are the
-    held-out split."""
+    `skip_first` rows of the source's first file (in sorted order) are never read: the held-out split."""
 
-    def __init__(self, source: StreamSource, index: int, tokenizer: Any, text_field: str, seed: int,
-                 shuffle_rows: int, skip_first: int = 0):
-        self.source, self.index, self.tokenizer, self.text_field = source, index, tokenizer, text_field
-        self.seed, self.shuffle = seed, shuffle_rows > 0
+    def __init__(self, files: Sequence[str], index: int, seed: int, shuffle_rows: int, skip_first: int = 0):
+        self.files, self.index, self.seed, self.shuffle = tuple(files), index, seed, shuffle_rows > 0
         self.block_rows = shuffle_rows if shuffle_rows > 0 else READ_ROWS
         self.position = fresh_position(skip_first)
-        self._reader: tuple[int, int, Iterator[str | None]] | None = None  # (file, next row, rows)
-        self._block: tuple[tuple[int, int, int], list[list[int]], int] | None = None  # key, ids, rows read
+        self._reader: tuple[int, int, Iterator[Any]] | None = None  # (file, next row, rows)
+        self._block: tuple[tuple[int, int, int], list[Any], int] | None = None  # key, units, rows read
+
+    def _open(self, file: str, start: int) -> Iterator[Any]:
+        """The rows of `file` from row `start` on, read lazily."""
+        raise NotImplementedError
+
+    def _prepare(self, rows: list[Any], key: tuple[int, int, int]) -> list[Any]:
+        """The units of the block of `rows` whose key is (pass, file, first row)."""
+        raise NotImplementedError
+
+    def _exhausted(self) -> DataError:
+        """The error when a whole pass gives no unit."""
+        raise NotImplementedError
+
+    def permuted(self, items: list[Any], key: tuple[int, ...]) -> list[Any]:
+        """`items` in the order a generator seeded by (seed, source, *key) draws (as given without shuffle)."""
+        if not self.shuffle or len(items) < 2:
+            return items
+        order = np.random.default_rng([self.seed, self.index, *key]).permutation(len(items))
+        return [items[i] for i in order]
 
     def file_order(self, pass_: int) -> list[int]:
-        n = len(self.source.files)
+        n = len(self.files)
         if not self.shuffle or n == 1:
             return list(range(n))
         return np.random.default_rng([self.seed, self.index, pass_]).permutation(n).tolist()
@@ -167,61 +196,81 @@ class SourceStream:
     def _first_row(self, file: int) -> int:
         return self.position["skip"] if file == 0 else 0
 
-    def _read(self, file: int, row: int, count: int) -> list[str | None]:
+    def _read(self, file: int, row: int, count: int) -> list[Any]:
         if self._reader is None or self._reader[:2] != (file, row):
-            self._reader = (file, row, read_rows(self.source.files[file], self.text_field, row))
+            self._reader = (file, row, self._open(self.files[file], row))
         rows = self._reader[2]
-        texts = [text for _, text in zip(range(count), rows)]
-        self._reader = (file, row + len(texts), rows)
-        return texts
+        block = [item for _, item in zip(range(count), rows)]
+        self._reader = (file, row + len(block), rows)
+        return block
 
-    def _documents(self) -> tuple[list[list[int]], int]:
-        """The ids of the current block's documents in their shuffled order, and the rows it spans."""
+    def units(self) -> tuple[list[Any], int]:
+        """The current block's units in their order, and the rows it spans."""
         p = self.position
         file = self._current_file()
         if p["row"] is None:
             p["row"] = self._first_row(file)
         key = (p["pass"], file, p["row"])
         if self._block is None or self._block[0] != key:
-            texts = self._read(file, p["row"], self.block_rows)
-            kept = [t for t in texts if t is not None]
-            if self.shuffle and len(kept) > 1:
-                order = np.random.default_rng([self.seed, self.index, *key]).permutation(len(kept))
-                kept = [kept[i] for i in order]
-            self._block = (key, self.tokenizer.encode_batch(kept) if kept else [], len(texts))
+            rows = self._read(file, p["row"], self.block_rows)
+            self._block = (key, self._prepare(rows, key), len(rows))
         return self._block[1], self._block[2]
 
     def _advance(self) -> bool:
         """Past the current block: the next block of the file, or the next file, or the next pass (True)."""
         p = self.position
-        _, rows = self._documents()
+        _, rows = self.units()
         p["taken"] = 0
         if rows == self.block_rows:
             p["row"] += rows
             return False
         p["file"], p["row"] = p["file"] + 1, None
-        if p["file"] < len(self.source.files):
+        if p["file"] < len(self.files):
             return False
         p["pass"], p["file"] = p["pass"] + 1, 0
         return True
 
+    def next_unit(self) -> Any:
+        """The next unit, past spent blocks, files and passes; `_exhausted()` after a whole pass without one."""
+        p, passes_without_units = self.position, 0
+        while True:
+            units, _ = self.units()
+            if p["taken"] < len(units):
+                p["taken"] += 1
+                return units[p["taken"] - 1]
+            passes_without_units += self._advance()
+            if passes_without_units > 1:
+                raise self._exhausted()
+
+
+class SourceStream(BlockWalk):
+    """A source's documents, pass after pass, as tokens (each document's ids, then EOS)."""
+
+    def __init__(self, source: StreamSource, index: int, tokenizer: Any, text_field: str, seed: int,
+                 shuffle_rows: int, skip_first: int = 0):
+        super().__init__(source.files, index, seed, shuffle_rows, skip_first)
+        self.source, self.tokenizer, self.text_field = source, tokenizer, text_field
+        self.position["buffer"] = []
+
+    def _open(self, file: str, start: int) -> Iterator[str | None]:
+        return read_rows(file, self.text_field, start)
+
+    def _prepare(self, rows: list[str | None], key: tuple[int, int, int]) -> list[list[int]]:
+        kept = self.permuted([t for t in rows if t is not None], key)
+        return self.tokenizer.encode_batch(kept) if kept else []
+
+    def _exhausted(self) -> DataError:
+        return DataError("no document with text to train on (after the held-out rows)",
+                         fix="give files with text, or lower val_rows", source=self.source.name)
+
     def take(self, n: int) -> list[int]:
         """The next n tokens (documents' ids, each followed by EOS)."""
-        p, eos, passes_without_text = self.position, self.tokenizer.eos_token_id, 0
-        while len(p["buffer"]) < n:
-            docs, _ = self._documents()
-            if p["taken"] < len(docs):
-                p["buffer"].extend(docs[p["taken"]])
-                p["buffer"].append(eos)
-                p["taken"] += 1
-                passes_without_text = 0
-                continue
-            passes_without_text += self._advance()
-            if passes_without_text > 1:  # a whole pass read without one document
-                raise DataError("no document with text to train on (after the held-out rows)",
-                                fix="give files with text, or lower val_rows", source=self.source.name)
-        out = p["buffer"][:n]
-        del p["buffer"][:n]
+        buffer = self.position["buffer"]
+        while len(buffer) < n:
+            buffer.extend(self.next_unit())
+            buffer.append(self.tokenizer.eos_token_id)
+        out = buffer[:n]
+        del buffer[:n]
         return out
 
 
@@ -311,17 +360,20 @@ class StreamingLoader:
         return {**copy.deepcopy(self.position), "settings": self.settings}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("settings")
-        if saved != self.settings:
-            changed = sorted(k for k in set(saved or {}) | set(self.settings)
-                             if (saved or {}).get(k) != self.settings.get(k))
-            raise ResumeMismatchError(
-                f"the checkpoint's stream was cut with other settings ({', '.join(changed)} changed): resume "
-                "with the files, weights, seq_len, batch_size, seed, shuffle_rows, val_rows and number of "
-                "data-parallel processes of the interrupted run, or start a new run from its weights "
-                "(model.init_args.init_from)")
+        check_settings(state.get("settings"), self.settings)
         self.position = {k: copy.deepcopy(v) for k, v in state.items() if k != "settings"}
         self._pending = {}
+
+
+def check_settings(saved: dict[str, Any] | None, settings: dict[str, Any]) -> None:
+    """A checkpoint's stream position fits only a stream cut with the same settings."""
+    if saved != settings:
+        changed = sorted(k for k in set(saved or {}) | set(settings) if (saved or {}).get(k) != settings.get(k))
+        raise ResumeMismatchError(
+            f"the checkpoint's stream was cut with other settings ({', '.join(changed)} changed): resume "
+            "with the files, weights, lengths, batch_size, seed, shuffle_rows, val_rows and number of "
+            "data-parallel processes of the interrupted run, or start a new run from its weights "
+            "(model.init_args.init_from)")
 
 
 # --- held-out windows ----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ ERROR_COLUMN = "_error"
 SUMMARY_COLUMN = "_error_summary"
 
 
-def _encode_batch(
+def encode_columns(
     batch: dict[str, list],
     indices: list[int],
     *,
@@ -37,6 +37,8 @@ def _encode_batch(
     lines: Sequence[int] | None,
     on_bad_row: str,
 ) -> dict[str, list]:
+    """A batch of rows (columns) encoded: the kind's columns, and under on_bad_row='skip' each row's error and
+    its summary ('' for a good row; a bad row is encoded empty, for the caller to drop)."""
     fmt = row_format(kind)
     header = generation_prompt(tokenizer) if any(s.template for s in sections) else ""
     names = list(batch)
@@ -98,7 +100,7 @@ def tokenize_dataset(
         on_bad_row=on_bad_row,
     )
     encoded = dataset.map(
-        _encode_batch,
+        encode_columns,
         batched=True,
         batch_size=batch_size,
         with_indices=True,
