@@ -107,7 +107,7 @@ class RecurrentScheduler(Scheduler):
     # -- admission ------------------------------------------------------------------------------------------
     def _admit(self, plan: list[tuple[Request, int]], budget: int) -> None:
         for examined, req in enumerate(list(self.waiting)):
-            if examined >= _LOOKAHEAD or (budget <= 0 and (req.pages or req.remaining > 0)):
+            if examined >= _LOOKAHEAD or (budget <= 0 and req.remaining > 0):
                 break
             rows = 1 + req.forks_left  # a slot for each fork too, as attention reserves its rows
             if len(self.running) + rows > self.max_batch_size or self.pool.free_slots < rows:
