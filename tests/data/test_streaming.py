@@ -7,9 +7,11 @@ from __future__ import annotations
 import io
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from astrai_pl.data import DataError, PretrainData
 from astrai_pl.data.sampling import ResumeMismatchError
@@ -201,3 +203,21 @@ def test_parquet_csv_and_arrow_files_stream(tmp_path, suffix):
     stream = WindowStream([SourceStream(source, 0, tok, "text", 0, shuffle_rows=0)], seq_len=5, seed=0)
     flat = [t for doc in texts for t in (*tok.encode(doc), tok.eos_token_id)]
     assert [t for _ in range(len(flat) // 5) for t in stream.next_window()] == flat[:len(flat) // 5 * 5]
+
+
+@pytest.mark.parametrize("name", ["streaming-debug", "mixture-debug"])
+def test_the_shipped_streaming_configs_set_up_and_stream(name, tmp_path):
+    """configs/pretrain/{streaming,mixture}-debug.yaml: windows of seq_len; the mixture draws both sources."""
+    root = Path(__file__).resolve().parents[2]
+    args = yaml.safe_load((root / "configs" / "pretrain" / f"{name}.yaml").read_text())["data"]["init_args"]
+    for source in args["sources"] or []:
+        source["path"] = str(root / source["path"])
+    data = PretrainData(**{**args, "cache_dir": str(tmp_path)})
+    data.setup("fit")
+    loader = data.train_dataloader()
+    batches = list(itertools.islice(iter(loader), 40))
+    assert all(b["input_ids"].shape == (args["batch_size"], args["seq_len"]) for b in batches)
+    assert len(data.val_set) > 0
+    if args["sources"]:
+        shares = mixture_metrics(data.stream.sources, loader.position["tokens"])
+        assert 0.6 < shares["data/share/docs"] < 0.9 and shares["data/share/arithmetic"] > 0.1  # weights 3 : 1
