@@ -16,9 +16,9 @@ def cells(path: Path, kind: str) -> list[str]:
     return [cell.source for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == kind]
 
 
-def test_the_three_notebooks_are_there():
+def test_the_four_notebooks_are_there():
     assert [p.name for p in NOTEBOOKS] == [
-        "01_quickstart.ipynb", "02_preferences_and_rl.ipynb", "03_hf_roundtrip.ipynb"]
+        "01_quickstart.ipynb", "02_preferences_and_rl.ipynb", "03_hf_roundtrip.ipynb", "04_rwkv_state.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

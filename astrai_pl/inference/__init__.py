@@ -19,6 +19,7 @@ from .handle import RequestHandle
 from .request import Completion, Delta, RequestError
 from .sampling import SamplingParams, SamplingParamsError
 from .sessions import Session, SessionError, SessionMemory
+from .state_session import StateSession, StateStore, generate_batch
 
 __all__ = [
     "BackendUnavailable",
@@ -37,4 +38,7 @@ __all__ = [
     "Session",
     "SessionError",
     "SessionMemory",
+    "StateSession",
+    "StateStore",
+    "generate_batch",
 ]

@@ -226,6 +226,21 @@ class Session:
             child.last_logits = None if self.last_logits is None else self.last_logits.clone()
             return child
 
+    def blend(self, other, alpha: float):
+        """Refused: interpolation needs a fixed-size point per context (an RWKV state, StateSession.blend)."""
+        raise SessionError(
+            f"{self.id} keeps its context as keys and values, one per token: two conversations of different "
+            "lengths hold different numbers of them, and a mix of two tokens' K/V is no token's, so there is no "
+            "state to interpolate; blending needs a recurrent model's fixed-size state (StateSession.blend)"
+        )
+
+    def scale(self, component: str, factor: float, layers=None):
+        """Refused: editing scales parts of a recurrent state (StateSession.scale); K/V have no such parts."""
+        raise SessionError(
+            f"{self.id} keeps keys and values per token, not a recurrent state with shifts and wkv sums; "
+            "editing a component needs an RWKV session (StateSession.scale)"
+        )
+
     def memory(self) -> SessionMemory:
         refs, ps = self.engine.pool.allocator.refs, self.engine.page_size
         shared = sum(1 for p in self.pages if refs[p] > 1)
