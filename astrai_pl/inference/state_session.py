@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 from itertools import count
 
@@ -283,7 +284,8 @@ def _device(model) -> torch.device:
 class StateStore:
     """Sessions by id over one model, each expiring `ttl` seconds after its last use (None: never), at most
     `max_sessions` at once. Time is `clock()` (monotonic) unless a call passes `now`. A full store refuses a new
-    id rather than drop a live session: expired ones go first, then CapacityError."""
+    id rather than drop a live session: expired ones go first, then CapacityError. The store may be used from
+    several threads; each session, from one at a time."""
 
     def __init__(self, model, tokenizer=None, *, ttl: float | None = 3600.0, max_sessions: int = 1024,
                  clock=time.monotonic):
@@ -296,6 +298,7 @@ class StateStore:
             model, tokenizer, ttl, max_sessions, clock)
         self.fingerprint = FingerprintCache(model)
         self._entries: dict[str, tuple[StateSession, float]] = {}  # id -> (session, last use)
+        self._lock = threading.Lock()
 
     def start(self, session_id: str, context=None, *, now: float | None = None) -> StateSession:
         """A new session under `session_id`: a zero state, or a warm one that has read `context`."""
@@ -316,32 +319,39 @@ class StateStore:
         if not isinstance(session, StateSession) or session.model is not self.model:
             raise SessionError(f"{session_id}: the store keeps StateSessions on its own model")
         now = self._now(now)
-        if session_id not in self._entries and len(self._entries) >= self.max_sessions:
-            self.sweep(now=now)
-            if len(self._entries) >= self.max_sessions:
-                raise CapacityError(f"the store holds max_sessions={self.max_sessions} live sessions; close one "
-                                    "(pop), wait for one to expire, or raise max_sessions")
-        self._entries[session_id] = (session, now)
+        with self._lock:
+            if session_id not in self._entries and len(self._entries) >= self.max_sessions:
+                self._sweep(now)
+                if len(self._entries) >= self.max_sessions:
+                    raise CapacityError(f"the store holds max_sessions={self.max_sessions} live sessions; close "
+                                        "one (pop), wait for one to expire, or raise max_sessions")
+            self._entries[session_id] = (session, now)
 
     def get(self, session_id: str, *, now: float | None = None) -> StateSession | None:
         """The session (its clock restarted), or None if there is none or it has expired (then it is dropped)."""
         now = self._now(now)
-        entry = self._entries.get(session_id)
-        if entry is None:
-            return None
-        if self._expired(entry[1], now):
-            del self._entries[session_id]
-            return None
-        self._entries[session_id] = (entry[0], now)
-        return entry[0]
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                return None
+            if self._expired(entry[1], now):
+                del self._entries[session_id]
+                return None
+            self._entries[session_id] = (entry[0], now)
+            return entry[0]
 
     def pop(self, session_id: str) -> StateSession | None:
-        entry = self._entries.pop(session_id, None)
+        with self._lock:
+            entry = self._entries.pop(session_id, None)
         return None if entry is None else entry[0]
 
     def sweep(self, *, now: float | None = None) -> list[str]:
         """Drop every expired session; their ids."""
         now = self._now(now)
+        with self._lock:
+            return self._sweep(now)
+
+    def _sweep(self, now: float) -> list[str]:
         gone = [sid for sid, (_, used) in self._entries.items() if self._expired(used, now)]
         for sid in gone:
             del self._entries[sid]
