@@ -67,7 +67,7 @@ class StateSession:
         self.num_tokens = 0  # tokens the state stands for, the pending one included
         self.pending: list[int] = []  # the last turn's final token, not yet computed
         self.last_logits: torch.Tensor | None = None  # (V,) float32 after the last computed token
-        self.computed_tokens = 0  # tokens this session has run through the model, over its whole life
+        self.computed_tokens = 0  # tokens this session has run through the model since it was made
         self.fingerprint = fingerprint or FingerprintCache(model)
 
     @classmethod
