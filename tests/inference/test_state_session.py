@@ -104,15 +104,15 @@ def test_a_batch_of_independent_states_equals_each_alone(rwkv):
     warm = StateSession.warm(rwkv, ids(8, 8))
     starts = [warm.fork(), StateSession(rwkv), StateSession.warm(rwkv, ids(5, 9))]
     prompts = [ids(3, 10), ids(3, 11), ids(6, 12)]
-    alone_out = greedy_reference(rwkv, ids(5, 9) + ids(6, 12), 9)
-    params = [GREEDY, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, stop_token_ids=[alone_out[3]]),
+    stop = greedy_reference(rwkv, prompts[1], 3)[-1]  # the zero-state session stops by 3 tokens, not 9
+    params = [GREEDY, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
               SamplingParams(max_tokens=4, temperature=0.8, seed=3)]
     alone = [s.fork() for s in starts]
     singles = [s.generate(p, q) for s, p, q in zip(alone, prompts, params)]
     batched = generate_batch(starts, prompts, params)
     assert [c.token_ids for c in batched] == [c.token_ids for c in singles]
     assert [c.finish_reason for c in batched] == [c.finish_reason for c in singles]
-    assert len(batched[2].token_ids) == 4
+    assert len(batched[2].token_ids) == 4 and batched[1].finish_reason == "stop" and len(batched[1].token_ids) <= 3
     for x, y in zip(starts, alone):
         same_state(x.state.layers, y.state.layers, exact=False)
         assert x.pending == y.pending and x.num_tokens == y.num_tokens
