@@ -5,13 +5,15 @@ import io
 import json
 
 import pytest
+import test_commands
 import torch
 from test_commands import GREEDY, PLAIN, PRINTABLE, greedy, templated
 
 from astrai_pl.commands import chat_verb, generate_verb
 from astrai_pl.inference import Engine
 from astrai_pl.model import ModelConfig, Transformer
-from astrai_pl.tokenizer import Tokenizer
+
+tokenizer = test_commands.tokenizer  # the byte tokenizer fixture
 
 
 def chatty_rwkv() -> Transformer:
@@ -22,15 +24,8 @@ def chatty_rwkv() -> Transformer:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape) * (0.5 if p.dim() == 2 else 0.2))
-        keep = torch.zeros(model.config.vocab_size, dtype=torch.bool)
-        keep[list(PRINTABLE)] = True
-        model.lm_head.weight[~keep] = 0.0
+        model.lm_head.weight[[i for i in range(model.config.vocab_size) if i not in PRINTABLE]] = 0.0
     return model
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.byte_level()
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,20 @@ def test_a_shared_prompt_is_computed_once_from_its_snapshots(exported):
     assert again.token_ids == outs[0].token_ids and again.cached_tokens == 40
 
 
+def test_preempted_requests_resume_from_their_saved_state_and_decode_as_without_pressure(exported):
+    ours, _ = exported
+    batch = prompts(4, 9, shared=8, seed=2)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = engine(ours).generate(batch, params)
+    eng = engine(ours, max_batch_size=2, max_step_tokens=6)  # two slots, prompts in chunks of at most 6
+    assert [o.token_ids for o in eng.generate(batch, params)] == [o.token_ids for o in roomy]
+    stats = eng.stats
+    assert stats.preemptions > 0 and eng.usage().held_states == 0
+    assert stats.prefill_tokens + stats.cached_tokens == sum(map(len, batch))  # nothing computed twice
+    assert stats.decode_tokens == 4 * 23
+
+
+@pytest.mark.slow
 def test_under_slot_pressure_preempted_requests_resume_from_their_saved_state(exported):
     ours, hf = exported
     eng = engine(ours, max_batch_size=2, max_step_tokens=6)  # prompts in chunks of at most 6 tokens
