@@ -34,6 +34,7 @@ BENCHES = {  # name: (script, arguments); in the order they run
     "lora-dpo-memory": ("bench_lora_dpo_memory.py", []),
     "eval": ("bench_eval.py", []),
     "rwkv": ("bench_rwkv.py", []),
+    "rwkv-decode": ("bench_rwkv_decode.py", []),
     "serve": ("bench_serve.py", ["--repeats", "3", "--budget", "60"]),
     "data": ("bench_data.py", ["--size-gb", "2", "--sft-rows", "0"]),
 }

@@ -26,9 +26,9 @@ Eval mode applies transformers' `rescale_every`: block i's output projections (t
 are divided by 2^(i // rescale_every) and the residual stream halved after every rescale_every-th block.
 Both are exact powers of two, so only the LayerNorm epsilons see the difference; training never rescales.
 
-Not served by the inference engine yet (`check_engine_support`). The recurrence runs as a fused CPU kernel
-each way in float32 on CPU (`astrai_pl.ops.wkv`), elsewhere as a loop over time in PyTorch (kept out of
-`torch.compile`'s graph).
+The inference engine serves it from a pool of these states (`inference/recurrent.py`), not from K/V pages
+(`check_engine_support`). The recurrence runs as a fused CPU kernel each way in float32 on CPU
+(`astrai_pl.ops.wkv`), elsewhere as a loop over time in PyTorch (kept out of `torch.compile`'s graph).
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ class RwkvState:
 
 
 def check_engine_support(config: ModelConfig) -> None:
-    """Raise UnsupportedMixerError for a model the inference engine cannot serve yet (RWKV: its KV pages
-    have no place for a recurrent state). Meant for `Engine.__init__`, before it builds its pool; until then an
-    RWKV forward given a KV cache raises the same error (`run_blocks`)."""
+    """Raise UnsupportedMixerError for a model the K/V pool cannot hold (RWKV: its pages have no place for a
+    recurrent state; the Engine serves it from a state pool instead, inference/recurrent.py). Called where the
+    K/V pool is built; an RWKV forward given a KV cache raises the same error (`run_blocks`)."""
     if config.mixer == "rwkv":
         raise UnsupportedMixerError(
             f"ModelConfig.model_type={config.model_type!r}: the inference engine (generate, chat, serve, GRPO "
