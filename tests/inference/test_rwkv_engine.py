@@ -188,3 +188,28 @@ def test_the_engine_state_continues_as_the_model_state(exported):
     want = [float(logits[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
     got = [lp[0] for lp in out.prompt_logprobs[1:]]
     assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_a_failed_sample_fails_only_its_request_and_the_others_states_stay_exact(exported, monkeypatch):
+    """The sampler raising after the forward: the step is run again request by request, from the states
+    the slots held before it (those of prompts in mid-prefill put back), and only the poisoned one fails."""
+    import astrai_pl.inference.engine as engine_module
+
+    ours, _ = exported
+    batch = prompts(3, 20, shared=8, seed=9)
+    poison = [7] * 5
+    real = engine_module.sample
+
+    def failing_sample(logits, params, contexts, *rest):
+        if any(c[:5] == poison for c in contexts):
+            raise RuntimeError("injected sampler failure")
+        return real(logits, params, contexts, *rest)
+
+    want = engine(ours).generate(batch, GREEDY)
+    eng = engine(ours, max_step_tokens=24)  # the long prompts are mid-prefill when the poisoned one samples
+    monkeypatch.setattr(engine_module, "sample", failing_sample)
+    handles = [eng.submit(p, GREEDY) for p in [poison + [9, 10], *batch]]
+    with pytest.raises(Exception, match="injected sampler failure"):
+        handles[0].result()
+    assert [h.result()[0].token_ids for h in handles[1:]] == [o.token_ids for o in want]
+    assert eng.usage().slots_in_use == 0
