@@ -242,6 +242,8 @@ class Session:
         )
 
     def memory(self) -> SessionMemory:
+        if hasattr(self.engine.pool, "held"):  # a recurrent engine (state_pool.py): a held state, not pages
+            return self.engine.pool.session_memory(self)
         refs, ps = self.engine.pool.allocator.refs, self.engine.page_size
         shared = sum(1 for p in self.pages if refs[p] > 1)
         per_token = self.engine.pool.storage.bytes_per_token

@@ -27,6 +27,7 @@ from ..model.rwkv import NO_EXPONENT, LayerState, UnsupportedMixerError
 from .cache import PageAllocator
 from .pool import KVPool
 from .radix import RadixCache
+from .sessions import SessionMemory
 
 COMPONENTS = LayerState._fields  # ffn_shift, att_shift (activations' dtype), aa, bb, pp (float32)
 SNAPSHOT_BYTES_CPU = 256 << 20  # default snapshot memory on CPU
@@ -100,11 +101,11 @@ class StatePool:
     @property
     def allocator(self):
         raise UnsupportedMixerError(
-            "an RWKV engine keeps one recurrent state per request, not K/V pages, so an engine session's pages, "
-            "memory and K/V files have no meaning on it. Fix: run its turns (generate, stream, fork, close), or "
-            "keep a state yourself with model(ids, cache=RwkvState()).")
+            "an RWKV engine keeps one recurrent state per request, not K/V pages, so an engine session's K/V file "
+            "has no meaning on it. Fix: run its turns (generate, stream, fork, close, memory), or save a state "
+            "with the standalone state sessions (astrai_pl.inference.StateSession).")
 
-    storage = slots = allocate = allocator  # what engine sessions' K/V files and memory figures read
+    storage = slots = allocate = allocator  # what engine sessions' K/V files read and write
 
     # -- slots ----------------------------------------------------------------------------------------------
     @property
@@ -155,6 +156,12 @@ class StatePool:
             copies.append(new := next(self._handles))
             self.held[new] = [t.clone() for t in self.held[handle]]
         return copies
+
+    def session_memory(self, session) -> SessionMemory:
+        """What an engine session holds here: its computed tokens in one held state (none while a turn runs,
+        which holds a slot), never shared (a fork copies it)."""
+        held = len(session.pages)
+        return SessionMemory(len(session.tokens), session.num_computed, held, 0, held * self.state_bytes)
 
     # -- prefix snapshots -----------------------------------------------------------------------------------
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], int]:

@@ -171,6 +171,9 @@ def test_session_turns_keep_the_state_instead_of_pages(exported):
     assert b.token_ids == hf_greedy(hf, first + a.token_ids + more, 12)
     assert b.cached_tokens == len(first) + 11  # the history's state was kept, the last reply token is new
     assert branch.generate(more, GREEDY).token_ids == b.token_ids
+    memory = chat.memory()  # one held state, whatever the length
+    assert (memory.tokens, memory.cached_tokens) == (len(first) + 12 + len(more) + 12, len(first) + 12 + 14)
+    assert (memory.pages, memory.shared_pages, memory.bytes) == (1, 0, eng.usage().state_bytes)
     with pytest.raises(UnsupportedMixerError, match="recurrent state"):
         chat.save("unused.safetensors")
     chat.close()

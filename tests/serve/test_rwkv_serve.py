@@ -1,6 +1,7 @@
 """`astrai-pl serve` on an RWKV checkpoint: the engine, session store and state the verb builds, behind uvicorn;
 the openai client's greedy completions and chat answers equal the engine's own."""
 
+import httpx
 import openai
 import pytest
 import test_cli_rwkv
@@ -42,3 +43,21 @@ def test_completions_and_chat_equal_the_engine(served, client, tokenizer):
     assert answer.choices[0].message.content == want.text
     again = client.completions.create(model="rwkv", prompt="Once upon a time", max_tokens=8, temperature=0)
     assert again.choices[0].text == got.choices[0].text
+
+
+def test_a_session_turn_answers_like_stateless_chat_and_holds_one_state(served):
+    engine, url = served
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        made = http.post("/v1/sessions", json={"messages": [{"role": "system", "content": "Be brief."}]})
+        assert made.status_code == 200, made.text
+        sid = made.json()["id"]
+        messages = [{"role": "user", "content": "Hi!"}]
+        greedy = {"max_tokens": 8, "temperature": 0}
+        answer = http.post(f"/v1/sessions/{sid}/chat/completions", json={"messages": messages, **greedy})
+        assert answer.status_code == 200, answer.text
+        whole = [{"role": "system", "content": "Be brief."}, *messages]
+        stateless = http.post("/v1/chat/completions", json={"model": "rwkv", "messages": whole, **greedy})
+        assert answer.json()["choices"][0]["message"] == stateless.json()["choices"][0]["message"]
+        described = http.get(f"/v1/sessions/{sid}").json()
+        assert described["pages"] == 1 and described["bytes"] == engine.usage().state_bytes
+        assert http.delete(f"/v1/sessions/{sid}").status_code == 200
