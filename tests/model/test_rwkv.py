@@ -326,11 +326,3 @@ def test_a_bad_rwkv_config_json_is_refused_naming_the_key(tmp_path, edit, error,
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     with pytest.raises(error, match=needle):
         Transformer.from_pretrained(tmp_path)
-
-
-def test_the_engine_refuses_a_recurrent_model_by_name():
-    """generate, chat, serve and rollouts build an Engine: an RWKV model is refused there, before any pool."""
-    from astrai_pl.inference import Engine, EngineConfigError
-
-    with pytest.raises(EngineConfigError, match="model_type='rwkv'.*does not serve recurrent"):
-        Engine(Transformer(ModelConfig.from_name("rwkv-debug")))
