@@ -45,10 +45,10 @@ class InputMajorWeights:
         (a 3-d tensor) where the CPU kernel takes them; None when one of the weights tracks no version (an
         inference tensor, whose copy could go stale unseen)."""
         try:
-            key = tuple((w.data_ptr(), w._version) for w in weights)
+            key = tuple([(w.data_ptr(), w._version) for w in weights])
         except RuntimeError:
             return None
-        name = tuple(id(w) for w in weights)
+        name = tuple([id(w) for w in weights])
         entry = self._copies.get(name)
         if entry is not None and entry[1] == key:
             return entry[2]
@@ -134,9 +134,11 @@ def _joined_copy(linears: tuple[Linear, ...]) -> torch.Tensor | None:
     weights = _INPUT_MAJOR.get()
     if weights is None or torch.is_grad_enabled():
         return None
-    if any(type(linear.weight) not in (torch.Tensor, nn.Parameter) for linear in linears):
-        return None  # a quantised (NF4) or distributed weight multiplies as stored
-    return weights.get(*(linear.weight for linear in linears))
+    stored = [linear.weight for linear in linears]
+    for weight in stored:
+        if type(weight) not in (torch.Tensor, nn.Parameter):
+            return None  # a quantised (NF4) or distributed weight multiplies as stored
+    return weights.get(*stored)
 
 
 def _through_copy(x: torch.Tensor, copy: torch.Tensor, linears: tuple[Linear, ...]) -> list[torch.Tensor]:
@@ -145,9 +147,9 @@ def _through_copy(x: torch.Tensor, copy: torch.Tensor, linears: tuple[Linear, ..
         if x.numel() > cpu_ops.PANEL_MAX_ROWS * x.shape[-1] or not cpu_ops.panel_matmul_usable(x):
             out = [F.linear(x, linear.weight, linear.bias) for linear in linears]
         else:
-            out = _with_bias(cpu_ops.panel_matmul(x, copy, sum(sizes)).split(sizes, dim=-1), linears)
+            out = _with_bias(cpu_ops.panel_matmul(x, copy, sum(sizes)).split_with_sizes(sizes, dim=-1), linears)
     else:
-        out = _with_bias((x @ copy).split(sizes, dim=-1), linears)
+        out = _with_bias((x @ copy).split_with_sizes(sizes, dim=-1), linears)
     deltas = [linear.delta(x) for linear in linears]  # adapters stay outside the copies: they change every step
     return [o if d is None else o + d for o, d in zip(out, deltas)]
 

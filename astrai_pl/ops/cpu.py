@@ -158,17 +158,18 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not DTensor, FakeTensor or any other subclass
+_F32 = torch.float32
 _functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda t: False)
 
 
 def _takes(*tensors: torch.Tensor) -> bool:
     """What every kernel asks of its tensors: float32 on CPU with storage the C code can read (no subclass
-    such as DTensor, no torch.func wrapper), not while torch.compile traces, and the library built."""
-    return (
-        all(type(t) in _PLAIN and not _functorch_wrapped(t) and t.device.type == "cpu"
-            and t.dtype == torch.float32 for t in tensors)
-        and not torch.compiler.is_compiling() and available()
-    )  # fmt: skip
+    such as DTensor, no torch.func wrapper), not while torch.compile traces, and the library built.
+    A plain loop, cheapest tests first: a decode step asks this about a hundred times."""
+    for t in tensors:
+        if type(t) not in _PLAIN or t.dtype != _F32 or not t.is_cpu or _functorch_wrapped(t):
+            return False
+    return not torch.compiler.is_compiling() and available()
 
 
 def rms_norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -219,6 +220,12 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x², -1) + eps) · weight, float32 on CPU (check `rms_norm_usable` first)."""
     if not _needs_grad(x, weight):  # inference: no autograd node, nothing saved
+        if x.is_contiguous() and weight.is_contiguous():  # a decode step's rows: no copies, no detach
+            rows = x.numel() // x.shape[-1]
+            y, rstd = torch.empty_like(x), x.new_empty(rows)  # both held until the kernel returns
+            load().rms_norm_forward(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows,
+                                    x.shape[-1], eps, _threads(x.numel()))
+            return y
         return _rms_norm_forward(x, weight, eps)[0]
     return _RMSNorm.apply(x, weight, eps)
 

@@ -93,12 +93,19 @@ void rotary(const float *x, long x_stride, const float *cos, const float *sin, f
  * columns 64p…64p+63, each k a contiguous run of 64 floats, so a panel is read as one stream. A tile of
  * R rows x W columns lives in registers while k runs: with AVX-512 up to 6 rows x all 64 columns (24 of
  * its 32 registers); with AVX2 (16 registers) 1 x 64, 2 x 32 or up to 6 x 16 (at most 12 accumulators:
- * a wider tile spills every step), the strips of a panel in turn. Each row block re-reads the panel from
- * L2, and while it does, it prefetches its share of the next panel into L2 (spread over its steps), so
- * the weights stream from memory behind the arithmetic instead of ahead of it. With the few rows of a
- * decode step this is bound by reading the weights, which is what it is built to do fast. */
+ * a wider tile spills every step), the strips of a panel in turn. A panel is taken K_BLOCK k steps at a
+ * time (16 KB): every row block and strip runs over that block while it sits in L1, the tiles carrying
+ * their sums from one block to the next through y (the same additions in the same order), and while they
+ * do, each prefetches its share of the next block into L2 (spread over its steps), so the weights stream
+ * from memory behind the arithmetic instead of ahead of it. Row blocks re-reading a whole panel from L2
+ * instead (a down projection's panel of K = 1408 is 360 KB, most of L2 with the next one coming in) cost
+ * the 16 rows of a decode step at the `small` preset a fifth more time. With the few rows of a decode
+ * step this is bound by reading the weights, which is what it is built to do fast. */
 #define PANEL 64
 #define TILE_ROWS 6
+#ifndef K_BLOCK
+#define K_BLOCK 64
+#endif
 #if defined(__AVX512F__)
 #define VEC 16
 #else
@@ -108,11 +115,18 @@ typedef float vec __attribute__((vector_size(VEC * 4), aligned(4)));
 
 #define DEFINE_TILE(R, W)                                                                                \
     static void tile##R##_##W(const float *x, long ldx, const float *wp, float *y, long ldy, long K,      \
-                              long cols, const char *pf, long pf_lines, long per_step) {                  \
+                              long cols, const char *pf, long pf_lines, long per_step, int add) {         \
         enum { V = W / VEC };                                                                             \
         vec acc[R][V];                                                                                    \
-        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m)                                               \
-            _Pragma("GCC unroll 8") for (int j = 0; j < V; ++j) acc[m][j] = (vec){0};                     \
+        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                             \
+            if (add) { /* a later k-block: carry on from the sums so far (the same order of additions) */ \
+                float first[W] = {0};                                                                     \
+                memcpy(first, y + m * ldy, sizeof(float) * cols);                                        \
+                memcpy(acc[m], first, sizeof(acc[m]));                                                    \
+            } else {                                                                                      \
+                _Pragma("GCC unroll 8") for (int j = 0; j < V; ++j) acc[m][j] = (vec){0};                 \
+            }                                                                                             \
+        }                                                                                                 \
         for (long k = 0; k < K; ++k, wp += PANEL) {                                                       \
             for (long l = k * per_step; l < (k + 1) * per_step && l < pf_lines; ++l)                     \
                 __builtin_prefetch(pf + l * 64, 0, 2);                                                    \
@@ -134,7 +148,8 @@ typedef float vec __attribute__((vector_size(VEC * 4), aligned(4)));
             }                                                                                             \
         }                                                                                                 \
     }
-typedef void (*tile_fn)(const float *, long, const float *, float *, long, long, long, const char *, long, long);
+typedef void (*tile_fn)(const float *, long, const float *, float *, long, long, long, const char *, long, long,
+                        int);
 #if defined(__AVX512F__)
 DEFINE_TILE(1, 64) DEFINE_TILE(2, 64) DEFINE_TILE(3, 64) DEFINE_TILE(4, 64) DEFINE_TILE(5, 64) DEFINE_TILE(6, 64)
 static const tile_fn TILES[TILE_ROWS + 1] = {0, tile1_64, tile2_64, tile3_64, tile4_64, tile5_64, tile6_64};
@@ -148,28 +163,34 @@ static const long TILE_WIDTH[TILE_ROWS + 1] = {0, 64, 32, 16, 16, 16, 16};
 void panel_matmul(const float *x, long ldx, const float *panels, float *y, long M, long K, long N, int threads) {
     if (M <= 0 || K <= 0 || N <= 0) return;
     const long num_panels = (N + PANEL - 1) / PANEL, panel_size = (long)PANEL * K;
-    const long lines = panel_size * (long)sizeof(float) / 64, passes = (M + TILE_ROWS - 1) / TILE_ROWS;
-    const long block_share = (lines + passes - 1) / passes; /* lines of the next panel each row block prefetches */
+    const long passes = (M + TILE_ROWS - 1) / TILE_ROWS;
     /* Runs of panels handed out as threads ask (a thread whose core is busy with another process takes
      * fewer), each long enough that the next panel a thread prefetches is mostly its own. */
     const long run = num_panels / (8L * threads) > 1 ? num_panels / (8L * threads) : 1;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, run)
     for (long p = 0; p < num_panels; ++p) {
         const float *wp = panels + p * panel_size;
-        const int last = p + 1 == num_panels; /* the last panel prefetches nothing */
-        const char *next = (const char *)(panels + (p + 1) * panel_size);
         const long width = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-        for (long pass = 0, m0 = 0; m0 < M; m0 += TILE_ROWS, ++pass) {
-            const long rows = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, strip = TILE_WIDTH[rows];
-            const long block_end = (pass + 1) * block_share < lines ? (pass + 1) * block_share : lines;
-            const long share = (block_share + PANEL / strip - 1) / (PANEL / strip); /* per strip, over its K steps */
-            const long per_step = (share + K - 1) / K;
-            for (long c0 = 0; c0 < width; c0 += strip) {
-                const long first = pass * block_share + (c0 / strip) * share;
-                const long todo = last || first >= block_end ? 0 : (block_end - first < share ? block_end - first : share);
-                const long cols = width - c0 < strip ? width - c0 : strip;
-                TILES[rows](x + m0 * ldx, ldx, wp + c0, y + m0 * N + p * PANEL + c0, N, K, cols,
-                            last ? (const char *)wp : next + first * 64, todo, per_step);
+        for (long k0 = 0; k0 < K; k0 += K_BLOCK) {
+            const long kb = K - k0 < K_BLOCK ? K - k0 : K_BLOCK;
+            /* what this block prefetches: the panel's next k-block, or the next panel's first one */
+            const int last = k0 + kb >= K && p + 1 == num_panels;
+            const float *next = k0 + kb < K ? wp + (k0 + kb) * PANEL : wp + panel_size;
+            const long next_kb = k0 + kb < K ? (K - k0 - kb < K_BLOCK ? K - k0 - kb : K_BLOCK) : (K < K_BLOCK ? K : K_BLOCK);
+            const long lines = last ? 0 : next_kb * PANEL * (long)sizeof(float) / 64;
+            const long block_share = (lines + passes - 1) / passes; /* lines each row block prefetches */
+            for (long pass = 0, m0 = 0; m0 < M; m0 += TILE_ROWS, ++pass) {
+                const long rows = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, strip = TILE_WIDTH[rows];
+                const long block_end = (pass + 1) * block_share < lines ? (pass + 1) * block_share : lines;
+                const long share = (block_share + PANEL / strip - 1) / (PANEL / strip); /* per strip, over its k steps */
+                const long per_step = (share + kb - 1) / kb;
+                for (long c0 = 0; c0 < width; c0 += strip) {
+                    const long first = pass * block_share + (c0 / strip) * share;
+                    const long todo = first >= block_end ? 0 : (block_end - first < share ? block_end - first : share);
+                    const long cols = width - c0 < strip ? width - c0 : strip;
+                    TILES[rows](x + m0 * ldx + k0, ldx, wp + k0 * PANEL + c0, y + m0 * N + p * PANEL + c0, N, kb, cols,
+                                (const char *)next + first * 64, todo, per_step, k0 > 0);
+                }
             }
         }
     }

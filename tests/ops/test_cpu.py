@@ -51,15 +51,19 @@ def _with(norm: RMSNorm, weight: torch.Tensor) -> RMSNorm:
 
 
 @needs_kernels
-def test_rms_norm_takes_a_non_contiguous_input_and_runs_without_autograd():
+@pytest.mark.parametrize("dense", [False, True])  # rows 64 apart (copied first); a decode step's dense rows
+def test_rms_norm_takes_a_non_contiguous_input_and_runs_without_autograd(dense):
     torch.manual_seed(1)
     norm = RMSNorm(32)
-    x = torch.randn(6, 64)[:, :32]  # rows 64 apart
+    with torch.no_grad():
+        norm.weight.mul_(1 + 0.5 * torch.randn(32))
+    x = torch.randn(1, 6, 32) if dense else torch.randn(6, 64)[:, :32]
     assert cpu.rms_norm_usable(x, norm.weight)
     with torch.inference_mode():
         fused = norm(x)
         with cpu.override_available(False):
             eager = norm(x)
+    assert fused.shape == x.shape and fused.is_contiguous()
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-6)
 
 
@@ -221,16 +225,19 @@ def test_panel_matmul_takes_empty_inputs_and_leaves_autocast_to_pytorch():
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16, 64])
-def test_panel_matmul_matches_linear_for_every_tile_and_a_ragged_last_panel(rows):
-    """Every tile height (1-6 rows, then blocks of 6) and width, and a last panel of 8 + 29 columns."""
+@pytest.mark.parametrize("inputs", [40, 64 * 2 + 13])  # one block of k; three, the last ragged (K_BLOCK 64)
+def test_panel_matmul_matches_linear_for_every_tile_and_a_ragged_last_panel(rows, inputs):
+    """Every tile height (1-6 rows, then blocks of 6) and width, a last panel of 8 + 29 columns, and inputs
+    summed over several k-blocks (each block's partial sums carried into the next)."""
     g = torch.Generator().manual_seed(rows)
-    w, x = torch.randn(2 * 64 + 37, 40, generator=g), torch.randn(rows, 40, generator=g)
+    w, x = torch.randn(2 * 64 + 37, inputs, generator=g), torch.randn(rows, inputs, generator=g)
     panels = cpu.pack_panels([w], torch.zeros(cpu.panels_shape(w.shape[0], w.shape[1])))
     torch.testing.assert_close(cpu.panel_matmul(x, panels, w.shape[0]), x @ w.t(), atol=1e-4, rtol=1e-5)
 
 
 @needs_kernels
-@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (9, 3, 64), (4, 4, 24)])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"),
+                         [(8, 2, 64), (9, 3, 64), (4, 4, 24), (12, 2, 40)])  # G = 4, 3, 1, 6 (4 + 2)
 def test_paged_decode_attention_matches_the_reference(num_q_heads, num_kv_heads, head_dim):
     from paged_cases import paged_case
 
