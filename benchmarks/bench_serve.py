@@ -18,8 +18,8 @@ Parts (`--parts`, all by default):
   Also: how many of the 16 greedy outputs are identical, and the largest log-probability gap over the
   positions where both sides generated the same tokens so far.
 - contended: the first offline workload at `small`, quiet and with a CPU burner pinned to core 1
-  (`taskset -c 1`), rounds alternating between the two; ours on its background loop with OMP_WAIT_POLICY
-  unset, PASSIVE, and on 1 thread; vLLM with each VLLM_CPU_OMP_THREADS_BIND in `--vllm-binds` (one vLLM
+  (`taskset -c 1`), rounds alternating between the two; ours on its background loop with
+  OMP_WAIT_POLICY=ACTIVE (busy-wait), PASSIVE (the package's default) and on 1 thread; vLLM with each VLLM_CPU_OMP_THREADS_BIND in `--vllm-binds` (one vLLM
   process at a time; its default, auto, binds 1 thread to core 0 here and keeps core 1 for its engine
   core process).
 - online: `astrai-pl serve` against `vllm serve` at `small`, a streaming client (httpx, SSE) driving
@@ -55,9 +55,14 @@ NEW_TOKENS = 64
 KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: 131k tokens at `small`, 23k at the 135M shape (ours: 32k)
 SHAPES = ("small", "SmolLM2-135M")
 OURS = {"generate": "ours", "loop": "ours-loop"}  # --ours choice: worker kind
-OUR_CONTENDED = {"OMP_WAIT_POLICY unset": {"OMP_WAIT_POLICY": None},  # our settings in the contended part
+# Our settings in the contended part. Left unset, OMP_WAIT_POLICY is PASSIVE all the same (`import astrai_pl`
+# sets it), so busy-waiting is asked for by name.
+OUR_CONTENDED = {"OMP_WAIT_POLICY=ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
                  "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
-                 "1 thread": {"OMP_WAIT_POLICY": None, "OMP_NUM_THREADS": "1"}}
+                 "1 thread (PASSIVE)": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}}
+# OMP_WAIT_POLICY as this benchmark was started with: `import astrai_pl` (write_model) sets PASSIVE in this
+# process, and a vLLM side must not inherit it (PASSIVE is not vLLM's default, and slows it).
+START_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 
 
 class Process:
@@ -142,10 +147,12 @@ def vllm_bind() -> str:
 
 def worker_env(**extra: str | None) -> dict[str, str]:
     """The environment of a worker or server: 2 threads, vLLM's KV space, vLLM bound to cores 0-1 unless
-    VLLM_CPU_OMP_THREADS_BIND is set (offline and online); a None value removes a name."""
+    VLLM_CPU_OMP_THREADS_BIND is set (offline and online), OMP_WAIT_POLICY as the benchmark was started
+    with (unset: each side's own default, PASSIVE for ours, OpenMP's for vLLM); a None value removes a name."""
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false",
            "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "VLLM_CPU_OMP_THREADS_BIND": vllm_bind(),
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": ""}
+    extra = {"OMP_WAIT_POLICY": START_WAIT_POLICY, **extra}
     for name, value in extra.items():
         env.pop(name, None) if value is None else env.__setitem__(name, value)
     return env
