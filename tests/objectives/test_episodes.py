@@ -1,13 +1,16 @@
 """Multi-turn GRPO episodes: the environment protocol, masking of what the environment wrote, one
 computation per token on engine sessions, and an environment's failure ending its own episode only."""
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from fit_runs import quiet_trainer
 
-from astrai_pl.data.synthetic import problems
+from astrai_pl.data.synthetic import Problem, is_held_out, problems
 from astrai_pl.inference import Engine, SamplingParams
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.objectives import GRPO
@@ -184,3 +187,39 @@ def test_an_episode_that_never_ends_stops_at_max_turns():
     rollout = module.roll_out(batch(1), num_micro_batches=1)
     assert rollout.metrics["episodes/end_max_turns"] == 1.0 and rollout.metrics["episodes/mean_turns"] <= 2
     assert rollout.metrics["completions/clipped_ratio"] == 1.0  # counted as truncated
+
+
+def test_the_calculator_examples_sft_rows_are_what_its_environment_answers():
+    """configs/sft/data/calculator-inline.jsonl answers train problems only, some through the call the
+    Calculator answers, its result and the copy that earns reward 1, the rest directly (a policy that does
+    not always call the tool, for GRPO to improve on); each GRPO calculator config starts where its SFT
+    stage writes."""
+    root = Path(__file__).resolve().parents[2]
+    env = load_environment("astrai_pl.objectives.environments.Calculator")
+    lines = (root / "configs/sft/data/calculator-inline.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    calls = 0
+    for row in rows:
+        a, op, b = row["prompt"].removeprefix("What is ").removesuffix("?").split(" ")
+        problem = Problem(int(a), op, int(b))
+        assert row["prompt"] == problem.question and not is_held_out(problem)
+        user, columns = {"role": "user", "content": row["prompt"]}, {"answer": problem.answer}
+        if "</calc>" not in row["completion"]:
+            assert row["completion"] == problem.answer
+            continue
+        calls += 1
+        call, rest = row["completion"].split("</calc>")
+        turn = {"role": "assistant", "content": call + "</calc>"}
+        [result] = env([user, turn], columns).messages
+        assert rest.startswith(result["content"])  # the row's result is the tool's
+        final = {"role": "assistant", "content": rest.removeprefix(result["content"])}
+        assert env([user, turn, result, final], columns) == EnvStep(done=True, reward=1.0)
+    assert len(rows) >= 1000 and 0.2 < calls / len(rows) < 0.8  # both kinds: GRPO learns to choose the tool
+    for size in ("debug", "tiny"):
+        sft = yaml.safe_load((root / f"configs/sft/tools-calculator-{size}.yaml").read_text())
+        grpo_config = yaml.safe_load((root / f"configs/grpo/calculator-{size}.yaml").read_text())
+        assert sft["data"]["init_args"]["path"] == "configs/sft/data/calculator-inline.jsonl"
+        start = grpo_config["model"]["init_args"]["init_from"]
+        assert start == f"{sft['trainer']['default_root_dir']}/latest/checkpoints/last.ckpt"
+        environment = grpo_config["model"]["init_args"]["environment"]["path"]
+        assert environment == "astrai_pl.objectives.environments.Calculator"
