@@ -15,10 +15,12 @@ length, so the scheduler never runs short of memory for a running request. Each 
    prefix, or from the zero state. As for attention, a request sharing a long prefix with a prompt still in
    prefill waits for it, so N requests with one system prompt compute it once.
 
-The runner computes a step's tokens through the recurrence from each request's slot: every request's next
-segment in one batched forward per segment length (all decodes together, (B, 1)). While a request computes
-its prompt with the prefix cache on, its chunks are cut at page boundaries and the state at each is
-snapshotted into the radix tree (at most the prompt less its last token, as attention caches pages).
+The runner computes a step's tokens through the recurrence from each request's slot: every request's chunk
+in one batched forward per chunk length (all decodes together, (B, 1)). While a request computes its prompt
+with the prefix cache on, the same forward also yields the state at each page boundary inside its chunk
+(`RwkvState.at`: inside each block the recurrence runs segment by segment between them, which costs little
+more than one run), and each is snapshotted into the radix tree (at most the prompt less its last token, as
+attention caches pages).
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ class RecurrentScheduler(Scheduler):
         """Go on snapshotting a restored request's prompt if the tree still holds every earlier boundary."""
         ps = self.pool.page_size
         self.chains[req.id] = None
-        if self.pool.radix is None or req.prompt_cached or req.num_computed >= snapshot_limit(req):
+        untrusted = req.kv_from_file  # a state read from a file never enters the tree
+        if self.pool.radix is None or req.prompt_cached or untrusted or req.num_computed >= snapshot_limit(req):
             return
         aligned = req.num_computed // ps * ps
         snaps, matched = self.pool.match_prefix(req.tokens[:aligned])
@@ -240,17 +243,15 @@ class RecurrentRunner(ModelRunner):
         start = self.pool.gather(slots)  # (layers, B, H) per component, kept to undo a failed step
         self._before = (reqs, slots, start)
         states = [s.clone() for s in start]
-        segments = [self._segments(req, n) for req, n in plan]
+        chunks = [(req.num_computed, req.num_computed + n, self._boundaries(req, n)) for req, n in plan]
         last: dict[int, torch.Tensor] = {}
         scored: list[tuple[Request, int, torch.Tensor]] = []
         with Linear.input_major(self.weights):
-            for r in range(max(len(s) for s in segments)):
-                groups: dict[int, list[int]] = {}
-                for i, segs in enumerate(segments):
-                    if r < len(segs):
-                        groups.setdefault(segs[r][1] - segs[r][0], []).append(i)
-                for group in groups.values():
-                    self._run_group(reqs, [segments[i][r] for i in group], group, states, last, scored)
+            groups: dict[int, list[int]] = {}
+            for i, (lo, hi, _) in enumerate(chunks):
+                groups.setdefault(hi - lo, []).append(i)
+            for group in groups.values():
+                self._run_group(reqs, [chunks[i] for i in group], group, states, last, scored)
             self.pool.scatter(slots, states)
             self.steps += 1
             for req, n in plan:
@@ -264,26 +265,23 @@ class RecurrentRunner(ModelRunner):
                 return [], None
             return [reqs[i] for i in ready], self.model.lm_head(torch.stack([last[i] for i in ready])).float()
 
-    def _segments(self, req: Request, n: int) -> list[tuple[int, int, bool]]:
-        """(start, stop, snapshot after) pieces of req's next n tokens: cut at each prompt page boundary
-        still to snapshot, whole otherwise."""
-        lo, hi = req.num_computed, req.num_computed + n
-        chain, ps = self.scheduler.chains.get(req.id), self.pool.page_size
+    def _boundaries(self, req: Request, n: int) -> list[int]:
+        """The prompt page boundaries inside req's next n tokens still to snapshot (positions in the prompt)."""
+        chain, ps, lo = self.scheduler.chains.get(req.id), self.pool.page_size, req.num_computed
         if chain is None:
-            return [(lo, hi, False)]
-        cuts = range((len(chain) + 1) * ps, min(hi, snapshot_limit(req)) + 1, ps)
-        bounds = [lo, *(b for b in cuts if b > lo)]
-        pieces = [(a, b, True) for a, b in zip(bounds, bounds[1:])]
-        return pieces + ([(bounds[-1], hi, False)] if bounds[-1] < hi else [])
+            return []
+        return [b for b in range((len(chain) + 1) * ps, min(lo + n, snapshot_limit(req)) + 1, ps) if b > lo]
 
-    def _run_group(self, reqs, pieces, group, states, last, scored) -> None:
-        """One forward over the pieces of equal length of the requests `group` (batch rows of `states`)."""
+    def _run_group(self, reqs, chunks, group, states, last, scored) -> None:
+        """One forward over the chunks of equal length of the requests `group` (batch rows of `states`),
+        recording the states at every boundary any of them snapshots."""
         index = torch.tensor(group, device=self.device)
         whole = len(group) == len(reqs)
         mine = states if whole else [s.index_select(1, index) for s in states]
         layers = mine[0].shape[0]
-        cache = RwkvState([LayerState(*(s[layer] for s in mine)) for layer in range(layers)])
-        ids = torch.tensor([reqs[i].tokens[lo:hi] for i, (lo, hi, _) in zip(group, pieces)], device=self.device)
+        at = sorted({b - lo for lo, _, bounds in chunks for b in bounds})
+        cache = RwkvState([LayerState(*(s[layer] for s in mine)) for layer in range(layers)], at=tuple(at))
+        ids = torch.tensor([reqs[i].tokens[lo:hi] for i, (lo, hi, _) in zip(group, chunks)], device=self.device)
         hidden, _ = self.model.hidden_states(ids, cache=cache)  # (G, T, H)
         after = [torch.stack([layer[c] for layer in cache.layers]) for c in range(len(mine))]  # (layers, G, H)
         for s, a in zip(states, after):
@@ -291,13 +289,14 @@ class RecurrentRunner(ModelRunner):
                 s.copy_(a)
             else:
                 s.index_copy_(1, index, a.to(s.dtype))
-        for j, (i, (lo, hi, snap)) in enumerate(zip(group, pieces)):
+        points = [torch.stack([layer[c] for layer in cache.snapshots]) for c in range(len(mine))] if at else []
+        for j, (i, (lo, hi, bounds)) in enumerate(zip(group, chunks)):
             req = reqs[i]
             if hi == len(req.tokens):
                 last[i] = hidden[j, -1]
             scored += [(req, p, hidden[j, p - lo]) for p in req.scored_positions(lo, hi)]
-            if snap:
-                self._snapshot(req, after, j)
+            for b in bounds:  # (layers, G, P, H) per component: the state after b tokens is row j, point b − lo
+                self._snapshot(req, [p[:, :, at.index(b - lo)] for p in points], j)
 
     def _snapshot(self, req: Request, after: list[torch.Tensor], j: int) -> None:
         """Snapshot row j of `after` as the state at req's next page boundary, into the tree; with every

@@ -27,7 +27,7 @@ are divided by 2^(i // rescale_every) and the residual stream halved after every
 Both are exact powers of two, so only the LayerNorm epsilons see the difference; training never rescales.
 
 The inference engine serves it from a pool of these states (`inference/recurrent.py`), not from K/V pages
-(`check_engine_support`). The recurrence runs as a fused CPU kernel each way in float32 on CPU
+(`check_engine_support` keeps it out of a K/V pool). The recurrence runs as a fused CPU kernel each way in float32 on CPU
 (`astrai_pl.ops.wkv`), elsewhere as a loop over time in PyTorch (kept out of `torch.compile`'s graph).
 """
 
@@ -66,9 +66,16 @@ class LayerState(NamedTuple):
 @dataclass
 class RwkvState:
     """The state of every layer for a batch of rows. Pass it as `cache=` to `Transformer.forward`: the forward
-    starts from `layers` (zeros when empty) and replaces them with the state after its last token."""
+    starts from `layers` (zeros when empty) and replaces them with the state after its last token.
+
+    `at`: positions t (1 ≤ t ≤ the chunk's length) where the same forward also records the state after the
+    chunk's first t tokens, into `snapshots` (per layer, each component (B, len(at), H)): the inference engine
+    snapshots every page boundary of a prompt in one forward per chunk. Inference only (no gradient through
+    the wkv sums between positions)."""
 
     layers: list[LayerState] = field(default_factory=list)
+    at: tuple[int, ...] = ()
+    snapshots: list[LayerState] = field(default_factory=list)
 
     def to_hf(self) -> list[torch.Tensor]:
         """transformers' layout: five tensors (B, H, num_layers)."""
@@ -81,13 +88,13 @@ class RwkvState:
 
 def check_engine_support(config: ModelConfig) -> None:
     """Raise UnsupportedMixerError for a model the K/V pool cannot hold (RWKV: its pages have no place for a
-    recurrent state; the Engine serves it from a state pool instead, inference/recurrent.py). Called where the
-    K/V pool is built; an RWKV forward given a KV cache raises the same error (`run_blocks`)."""
+    recurrent state). Called where a K/V pool is built; the Engine itself serves RWKV from a state pool
+    (inference/recurrent.py) and never builds one. An RWKV forward given a KV cache raises the same error."""
     if config.mixer == "rwkv":
         raise UnsupportedMixerError(
-            f"ModelConfig.model_type={config.model_type!r}: the inference engine (generate, chat, serve, GRPO "
-            "rollouts, evaluation) does not serve recurrent RWKV models yet. Fix: call the model directly "
-            "(`model(input_ids, cache=RwkvState())` keeps the state between calls), or use an attention model.")
+            f"ModelConfig.model_type={config.model_type!r}: a K/V pool pages attention keys and values, and "
+            "a recurrent RWKV model has none. Fix: serve it with Engine(model), which keeps one recurrent "
+            "state per request in a state pool, or call the model with `cache=RwkvState()`.")
 
 
 # -- the recurrence -----------------------------------------------------------------------------------------
@@ -134,6 +141,25 @@ def wkv(
         e_state, e_token = torch.exp(decayed - q), torch.exp(kt - q)
         aa, bb, pp = e_state * aa + e_token * vt, e_state * bb + e_token, q
     return torch.stack(out, dim=1).to(v.dtype), (aa, bb, pp)
+
+
+def wkv_at(w, u, k, v, state, resets, at: tuple[int, ...]):
+    """`wkv` run segment by segment between the positions `at`, carrying (aa, bb, pp) across: its outputs, its
+    end state and the sums after each of the first t tokens, t in `at` (three (B, len(at), H), None when `at` is
+    empty). The recurrence is the same, step for step, so the outputs are those of one `wkv` call."""
+    if not at:
+        out, end = wkv(w, u, k, v, state, resets)
+        return out, end, None
+    outs, points, lo = [], [], 0
+    for hi in (*at, k.shape[1]):
+        if hi > lo:
+            out, state = wkv(w, u, k[:, lo:hi], v[:, lo:hi], state, None if resets is None else resets[:, lo:hi])
+            outs.append(out)
+        lo = hi
+        if len(points) < len(at):
+            points.append(state)
+    stacked = tuple(torch.stack([p[c] for p in points], dim=1) for c in range(3))
+    return torch.cat(outs, dim=1), state, stacked
 
 
 def wkv_reference(w, u, k, v, state=None):
@@ -186,15 +212,16 @@ class TimeMix(nn.Module):
         self.key, self.value = Linear(h, h, bias=False), Linear(h, h, bias=False)
         self.receptance, self.output = Linear(h, h, bias=False), Linear(h, h, bias=False)
 
-    def forward(self, x, state: LayerState | None, resets):
-        """(output (B, T, H), last input (B, H), (aa, bb, pp)) for x (B, T, H)."""
+    def forward(self, x, state: LayerState | None, resets, at: tuple[int, ...] = ()):
+        """(output (B, T, H), last input (B, H), (aa, bb, pp), the sums after each of the first t tokens for t
+        in `at`, each (B, len(at), H)) for x (B, T, H)."""
         shifted = token_shift(x, None if state is None else state.att_shift, resets)
         k = self.key(_mix(x, shifted, local(self.time_mix_key)))
         v = self.value(_mix(x, shifted, local(self.time_mix_value)))
         r = torch.sigmoid(self.receptance(_mix(x, shifted, local(self.time_mix_receptance))))
-        out, recurrent = wkv(-torch.exp(local(self.time_decay).float()), local(self.time_first), k, v,
-                             None if state is None else state[2:], resets)
-        return self.output(r * out), x[:, -1], recurrent
+        out, recurrent, points = wkv_at(-torch.exp(local(self.time_decay).float()), local(self.time_first), k, v,
+                                        None if state is None else state[2:], resets, at)
+        return self.output(r * out), x[:, -1], recurrent, points
 
 
 class ChannelMix(nn.Module):
@@ -229,19 +256,27 @@ class RwkvBlock(nn.Module):
         self.attention = TimeMix(cfg)
         self.feed_forward = ChannelMix(cfg)
 
-    def forward(self, x, resets=None, state: LayerState | None = None) -> tuple[torch.Tensor, LayerState]:
-        """The block's output (B, T, H) and its state after the last token; `state` is not changed."""
+    def forward(self, x, resets=None, state: LayerState | None = None, at: tuple[int, ...] = ()):
+        """The block's output (B, T, H), its state after the last token (`state` is not changed) and, for each
+        t in `at`, its state after the first t tokens (a LayerState of (B, len(at), H); None without `at`): the
+        sums from the recurrence run up to t, the shifts the ln1 / ln2 outputs at t − 1."""
         if self.layer_idx == 0:
             x = self.pre_ln(x)
         rescaled = not self.training and self.rescale_every > 0
         scale = 0.5 ** (self.layer_idx // self.rescale_every) if rescaled else 1.0
-        att, att_shift, (aa, bb, pp) = self.attention(self.ln1(x), state, resets)
+        mixed = self.ln1(x)
+        att, att_shift, (aa, bb, pp), points = self.attention(mixed, state, resets, at)
         x = x + (att if scale == 1.0 else att * scale)
-        ffn, ffn_shift = self.feed_forward(self.ln2(x), state, resets)
+        channel = self.ln2(x)
+        ffn, ffn_shift = self.feed_forward(channel, state, resets)
         x = x + (ffn if scale == 1.0 else ffn * scale)
         if rescaled and (self.layer_idx + 1) % self.rescale_every == 0:
             x = x / 2
-        return x, LayerState(ffn_shift, att_shift, aa, bb, pp)
+        snapshot = None
+        if at:
+            before = torch.tensor(at, device=x.device) - 1
+            snapshot = LayerState(channel.index_select(1, before), mixed.index_select(1, before), *points)
+        return x, LayerState(ffn_shift, att_shift, aa, bb, pp), snapshot
 
 
 def final_norm(cfg: ModelConfig) -> nn.LayerNorm:
@@ -265,7 +300,7 @@ def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, position_ids, document_id
     if cache is not None and not isinstance(cache, RwkvState):
         raise UnsupportedMixerError(
             f"an RWKV model was given a {type(cache).__name__} as cache; it keeps an RwkvState, not attention's "
-            "keys and values. Fix: pass cache=RwkvState() (the inference engine does not serve RWKV yet).")
+            "keys and values. Fix: pass cache=RwkvState(), or serve the model with Engine(model).")
     if document_ids is None and position_ids is not None and cache is None:
         document_ids = document_ids_from_positions(position_ids)
     resets = document_starts(document_ids)
@@ -276,12 +311,18 @@ def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, position_ids, document_id
             f"the RwkvState holds {len(start)} layers of {tuple(start[0].aa.shape)}; this model has {expected[0]} "
             f"layers and the batch is {expected[1]} (rows, hidden). Fix: pass a fresh RwkvState(), or the one this "
             "model left for the same rows.")
-    after = []
+    at = () if cache is None else tuple(cache.at)
+    if at and not (all(isinstance(t, int) for t in at) and list(at) == sorted(set(at))
+                   and 1 <= at[0] and at[-1] <= x.shape[1]):
+        raise ValueError(f"RwkvState.at={at!r}: snapshot positions must be increasing token counts in 1.."
+                         f"{x.shape[1]} (this chunk's length)")
+    after, points = [], []
     for block, state in zip(blocks, start):
-        x, state = block(x, resets, state)
+        x, state, snapshot = block(x, resets, state, at)
         after.append(state)
+        points.append(snapshot)
     if cache is not None:
-        cache.layers = after
+        cache.layers, cache.snapshots = after, points if at else []
     return x
 
 

@@ -138,6 +138,36 @@ def test_a_state_carries_a_prompt_across_calls(training):
         rwkv_model(num_hidden_layers=3)(ids, cache=state)
 
 
+@pytest.mark.parametrize("start", [False, True])
+def test_one_forward_yields_the_states_at_chosen_positions_as_forwards_over_each_prefix(start):
+    model = rwkv_model(rescale_every=1).eval()
+    ids = torch.randint(3, 320, (2, 13), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        before = RwkvState()
+        if start:
+            model(ids[:, :3], cache=before)
+            ids = ids[:, 3:]
+
+        def copy():
+            return RwkvState(list(before.layers))
+
+        plain = model(ids, cache=(whole := copy())).logits
+        state = RwkvState(list(before.layers), at=(1, 4, 5, ids.shape[1]))
+        marked = model(ids, cache=state).logits
+        torch.testing.assert_close(marked, plain, rtol=0, atol=1e-6)
+        for ours, theirs in zip(state.to_hf(), whole.to_hf()):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+        assert len(state.snapshots) == 2 and state.snapshots[0].aa.shape == (2, 4, 64)
+        for p, t in enumerate(state.at):
+            model(ids[:, :t], cache=(prefix := copy()))
+            for layer, (got, want) in enumerate(zip(state.snapshots, prefix.layers)):
+                for name, g, w in zip(LayerState._fields, got, want):
+                    where = f"t={t} layer {layer} {name}"
+                    torch.testing.assert_close(g[:, p], w, rtol=1e-6, atol=1e-6, msg=where)
+    with pytest.raises(ValueError, match="RwkvState.at"):
+        model(ids, cache=RwkvState(at=(4, 2)))
+
+
 def test_hidden_states_and_activation_checkpointing_keep_the_forward():
     from astrai_pl.parallel import apply_activation_checkpointing
 
@@ -221,9 +251,9 @@ def test_attention_shape_fields_are_ignored_by_rwkv():
         ModelConfig.from_name("debug", hidden_size=60, num_attention_heads=7)
 
 
-def test_the_engine_and_kv_caches_are_refused_with_a_clear_error():
+def test_a_kv_pool_and_kv_caches_are_refused_with_a_clear_error():
     model = rwkv_model()
-    with pytest.raises(UnsupportedMixerError, match="model_type='rwkv'.*does not serve"):
+    with pytest.raises(UnsupportedMixerError, match="model_type='rwkv'.*K/V pool.*Fix: serve it with Engine"):
         check_engine_support(model.config)
     check_engine_support(ModelConfig.from_name("debug"))  # attention models pass
     with pytest.raises(UnsupportedMixerError, match="RwkvState"):
