@@ -252,10 +252,13 @@ class Session:
         )
 
     def save(self, path: str | Path) -> None:
-        """Write tokens, K/V of the computed tokens, last logits and the model fingerprint (safetensors)."""
+        """Write tokens, K/V of the computed tokens, last logits and the model fingerprint (safetensors); on an
+        RWKV engine its state instead, in the state file format (`StatePool.save_session`)."""
         with self.engine.lock:
             self._check_usable()
             pool = self.engine.pool
+            if hasattr(pool, "held"):
+                return pool.save_session(self, path, self.engine.fingerprint.get())
             slots = torch.tensor(
                 pool.slots(self.pages, 0, self.num_computed), dtype=torch.int64, device=pool.storage.k.device
             )
@@ -276,6 +279,8 @@ def load_session(engine, path: str | Path, ttl: float | None = None) -> Session:
     """Read a saved session into `engine`'s pool (the engine registers it). Everything read is checked
     before a page is taken, and a failure after that gives every page back. The pages stay the
     session's own: K/V from a file never enter the radix cache, where other requests would use them."""
+    if hasattr(engine.pool, "held"):  # an RWKV engine: a state file (`StatePool.load_session`)
+        return engine.pool.load_session(engine, path, ttl)
     tokens, computed, k, v, logits = _checked(engine, path, *_read(engine, path))
     session = Session(engine, ttl)
     session.tokens = tokens

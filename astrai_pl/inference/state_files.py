@@ -4,7 +4,9 @@ A file holds five (layers, hidden) tensors — ffn_shift, att_shift, aa, bb, pp,
 when the state has seen a token, last_logits (vocab,) float32. Its header names the format, the layout
 version, the model fingerprint (`sessions.model_fingerprint`), the dtype and the token count (20 digits, so
 the header's length does not vary). Nothing grows with the context: a state after 10 tokens and one after
-2,000 take the same bytes.
+2,000 take the same bytes. An engine session's file (`Session.save` on an RWKV engine) also holds its
+token_ids (tokens,) int64, which it needs to compute its history again after it expired or a turn failed;
+its token count is then the tokens computed into the state (the last reply token may not be).
 
 Compression (dtype float16 or bfloat16): the shifts and aa, bb are stored in that dtype, pp always in
 float32 — an exponent rounded to float16 (10 bits) would scale a and b by up to e^{|pp|/2048}, and the empty
@@ -51,7 +53,8 @@ def compressible(layer: LayerState) -> LayerState:
                           pp=torch.where(seen, layer.pp + torch.log(bb), layer.pp))
 
 
-def write_state(path, layers: list[LayerState], last_logits, fingerprint: str, tokens: int, dtype) -> None:
+def write_state(path, layers: list[LayerState], last_logits, fingerprint: str, tokens: int, dtype,
+                token_ids: list[int] | None = None) -> None:
     """Write `layers` (one row each) atomically; `dtype` compresses as the module docstring says."""
     name = dtype_name(dtype)
     if dtype != torch.float32:
@@ -64,6 +67,8 @@ def write_state(path, layers: list[LayerState], last_logits, fingerprint: str, t
                                "these values); save with dtype=torch.float32 or torch.bfloat16")
     if last_logits is not None:
         tensors["last_logits"] = last_logits.float().cpu().contiguous()
+    if token_ids is not None:
+        tensors["token_ids"] = torch.tensor(token_ids, dtype=torch.int64)
     layers_count, hidden = stacked["pp"].shape
     metadata = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "dtype": name,
                 "tokens": f"{tokens:020d}", "layers": str(layers_count), "hidden": str(hidden)}
@@ -71,17 +76,24 @@ def write_state(path, layers: list[LayerState], last_logits, fingerprint: str, t
     write_atomically(Path(path), lambda f: f.write(data))
 
 
-def read_state(path, fingerprint: str, num_layers: int, hidden: int, vocab: int):
+def read_state(path, fingerprint: str, num_layers: int, hidden: int, vocab: int, with_token_ids: bool = False):
     """(one-row float32 LayerStates, last_logits or None, token count) from a file written by `write_state` for
-    this model; SessionError otherwise."""
+    this model, and with `with_token_ids` the file's token_ids (int64, at least the token count of them);
+    SessionError otherwise."""
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
             tokens, dtype = _check_header(path, metadata, fingerprint, num_layers, hidden)
             names = set(f.keys())
-            if not set(NAMES) <= names <= {*NAMES, "last_logits"} or ("last_logits" in names and not tokens):
+            allowed = {*NAMES, "last_logits", "token_ids"}
+            if not set(NAMES) <= names <= allowed or ("last_logits" in names and not tokens):
                 raise _refuse(path, "tensors", f"are {sorted(names)}, a state has {list(NAMES)} and, after a token, "
-                              "maybe last_logits")
+                              "maybe last_logits (and an engine session's token_ids)")
+            ids = _token_ids(path, f, tokens) if "token_ids" in names else None
+            if with_token_ids and ids is None:
+                raise SessionError(f"{path} holds a state without token ids (StateSession.save writes those); "
+                                   "load it with StateSession.load, or save the engine session with Session.save")
+            names.discard("token_ids")
             for name in sorted(names):
                 expected = (torch.float32, (vocab,)) if name == "last_logits" else (
                     torch.float32 if name == "pp" else dtype, (num_layers, hidden))
@@ -97,7 +109,19 @@ def read_state(path, fingerprint: str, num_layers: int, hidden: int, vocab: int)
                            "written by StateSession.save") from err
     _check_values(path, tensors)
     layers = [LayerState(*(tensors[n][i : i + 1] for n in NAMES)) for i in range(num_layers)]
+    if with_token_ids:
+        return layers, tensors.get("last_logits"), tokens, ids
     return layers, tensors.get("last_logits"), tokens
+
+
+def _token_ids(path, f, tokens: int) -> torch.Tensor:
+    """The token_ids tensor, checked for dtype and shape before its data is read."""
+    piece = f.get_slice("token_ids")
+    shape = tuple(piece.get_shape())
+    if piece.get_dtype() != "I64" or len(shape) != 1 or shape[0] < tokens:
+        raise _refuse(path, "token_ids", f"are {piece.get_dtype()} {shape}, expected I64 (n,) with n >= the "
+                      f"{tokens} tokens of the state")
+    return f.get_tensor("token_ids")
 
 
 def _refuse(path, field: str, what: str) -> SessionError:

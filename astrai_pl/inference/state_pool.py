@@ -14,6 +14,8 @@ them as one (layers, rows, H) tensor per component; rows are of three kinds:
   turns, kept by a handle in that holder's `pages` list until restored (`take`) or released.
 
 The bytes of a request are constant in its length: one slot while running, one held copy while waiting.
+An engine session saves its held state in the state file format of the standalone state sessions
+(state_files.py, float32, with its token ids) and loads it back as a held state, checked as they are.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from ..model.rwkv import NO_EXPONENT, LayerState, UnsupportedMixerError
 from .cache import PageAllocator
 from .pool import KVPool
 from .radix import RadixCache
-from .sessions import SessionMemory
+from .sessions import Session, SessionError, SessionMemory, _checked_tokens
+from .state_files import read_state, write_state
 
 COMPONENTS = LayerState._fields  # ffn_shift, att_shift (activations' dtype), aa, bb, pp (float32)
 SNAPSHOT_BYTES_CPU = 256 << 20  # default snapshot memory on CPU
@@ -101,9 +104,9 @@ class StatePool:
     @property
     def allocator(self):
         raise UnsupportedMixerError(
-            "an RWKV engine keeps one recurrent state per request, not K/V pages, so an engine session's K/V file "
-            "has no meaning on it. Fix: run its turns (generate, stream, fork, close, memory), or save a state "
-            "with the standalone state sessions (astrai_pl.inference.StateSession).")
+            "an RWKV engine keeps one recurrent state per request, not K/V pages, so K/V page tables have no "
+            "meaning on it. Fix: use the engine's and its sessions' public methods (a session saves its state "
+            "with Session.save).")
 
     storage = slots = allocate = allocator  # what engine sessions' K/V files read and write
 
@@ -162,6 +165,46 @@ class StatePool:
         which holds a slot), never shared (a fork copies it)."""
         held = len(session.pages)
         return SessionMemory(len(session.tokens), session.num_computed, held, 0, held * self.state_bytes)
+
+    def save_session(self, session, path, fingerprint: str) -> None:
+        """Write a session's held state (zeros before any computed token), its next-token logits and its token
+        ids in the state file format."""
+        if session.pages:
+            [handle] = session.pages
+            held = self.held[handle]
+        else:
+            assert session.num_computed == 0, f"{session.id} computed tokens but holds no state"
+            held = [torch.full_like(rows[:, 0], NO_EXPONENT if i == len(self.rows) - 1 else 0.0)
+                    for i, rows in enumerate(self.rows)]
+        layers = [LayerState(*(t[i : i + 1] for t in held)) for i in range(held[0].shape[0])]
+        write_state(path, layers, session.last_logits, fingerprint, session.num_computed, torch.float32,
+                    token_ids=session.tokens)
+
+    def load_session(self, engine, path, ttl: float | None) -> Session:
+        """A session on the state of a file written by `save_session`, held; refused (SessionError) unless the
+        file fits this engine's model. The state is untrusted: the session's turns never snapshot it into the
+        radix tree (`kv_from_file`), until they compute the history again."""
+        cfg = engine.model.config
+        layers, logits, computed, ids = read_state(path, engine.fingerprint.get(), cfg.num_hidden_layers,
+                                                   cfg.hidden_size, cfg.vocab_size, with_token_ids=True)
+
+        def refuse(what: str) -> SessionError:
+            return SessionError(f"{path}: {what}; the file is damaged or was edited, save the session again")
+
+        tokens = _checked_tokens(engine, ids, refuse)
+        if (logits is not None) != (0 < computed == len(tokens)):
+            raise refuse(f"last_logits are {'present' if logits is not None else 'missing'} for {computed} "
+                         f"computed of {len(tokens)} tokens (a session keeps them when every token is computed)")
+        session = Session(engine, ttl)
+        session.tokens = tokens
+        if computed:
+            handle = next(self._handles)
+            self.held[handle] = [torch.cat(tensors).to(rows.dtype).to(rows.device)
+                                 for rows, tensors in zip(self.rows, zip(*layers))]
+            session.pages, session.num_computed, session.kv_from_file = [handle], computed, True
+        if logits is not None:
+            session.last_logits = logits.to(engine.device, torch.float32)
+        return session
 
     # -- prefix snapshots -----------------------------------------------------------------------------------
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], int]:

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from astrai_pl.inference import Engine, SamplingParams
+from astrai_pl.inference.sessions import SessionError
+from astrai_pl.inference.state_session import StateSession
 from astrai_pl.model import ModelConfig, Transformer
-from astrai_pl.model.rwkv import RwkvState, UnsupportedMixerError
+from astrai_pl.model.rwkv import LayerState, RwkvState
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,6 +70,32 @@ def test_a_shared_prompt_is_computed_once_from_its_snapshots(exported):
     assert eng.stats.cached_tokens == 200 and eng.stats.prefill_tokens == sum(map(len, batch)) - 200
     again = eng.generate(batch[:1], GREEDY)[0]  # warm: its own prompt, up to the last page boundary
     assert again.token_ids == outs[0].token_ids and again.cached_tokens == 40
+
+
+def test_one_forward_per_chunk_snapshots_every_page_boundary_as_a_fresh_prefill_of_it(exported, monkeypatch):
+    ours, hf = exported
+    eng = engine(ours)
+    forwards = []
+    hidden_states = ours.hidden_states
+
+    def counted(ids, **kwargs):
+        forwards.append(ids.shape)
+        return hidden_states(ids, **kwargs)
+
+    monkeypatch.setattr(ours, "hidden_states", counted)
+    prompt = prompts(1, 45, seed=9)[0]  # page boundaries at 8, 16, 24, 32 and 40
+    assert eng.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf, prompt, 12)
+    assert forwards[0] == (1, 45) and len(forwards) == eng.stats.steps == 12  # the prompt, then 11 decodes
+    snaps, matched = eng.pool.radix.match(prompt)
+    assert matched == 40 and len(snaps) == 5
+    for n, snap in enumerate(snaps, 1):
+        with torch.no_grad():
+            ours(torch.tensor([prompt[: 8 * n]]), cache=(fresh := RwkvState()))
+        row = eng.pool.num_slots + snap
+        for c, name in enumerate(LayerState._fields):
+            want = torch.stack([layer[c][0] for layer in fresh.layers])
+            got = eng.pool.rows[c][:, row]
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{8 * n}: {name}")
 
 
 def test_preempted_requests_resume_from_their_saved_state_and_decode_as_without_pressure(exported):
@@ -174,8 +202,6 @@ def test_session_turns_keep_the_state_instead_of_pages(exported):
     memory = chat.memory()  # one held state, whatever the length
     assert (memory.tokens, memory.cached_tokens) == (len(first) + 12 + len(more) + 12, len(first) + 12 + 14)
     assert (memory.pages, memory.shared_pages, memory.bytes) == (1, 0, eng.usage().state_bytes)
-    with pytest.raises(UnsupportedMixerError, match="recurrent state"):
-        chat.save("unused.safetensors")
     chat.close()
     branch.close()
     assert eng.usage().held_states == 0
@@ -216,3 +242,68 @@ def test_a_failed_sample_fails_only_its_request_and_the_others_states_stay_exact
         handles[0].result()
     assert [h.result()[0].token_ids for h in handles[1:]] == [o.token_ids for o in want]
     assert eng.usage().slots_in_use == 0
+
+
+def test_a_saved_engine_session_reloads_and_continues_with_the_same_tokens(exported, tmp_path):
+    ours, hf = exported
+    first, more = prompts(1, 10, seed=10)[0], [5, 6, 7]
+    chat = engine(ours).session()
+    a = chat.generate(first, GREEDY)
+    chat.save(path := tmp_path / "chat.safetensors")
+    chat.append([9])  # every token computed: the file keeps the state after it and its logits
+    chat.save(full := tmp_path / "full.safetensors")
+    fresh = engine(ours)
+    fresh.generate([chat.tokens[:17]], SamplingParams(max_tokens=1))  # snapshots after 8 and 16 of them
+    loaded = fresh.load_session(path)
+    assert (loaded.tokens, loaded.num_computed) == (chat.tokens[:-1], len(first) + 11)
+    b = loaded.generate(more, GREEDY)
+    assert b.token_ids == hf_greedy(hf, first + a.token_ids + more, 12)
+    assert b.cached_tokens == len(first) + 11  # continued from the file's state, nothing recomputed
+    assert fresh.pool.radix.match(loaded.tokens)[1] == 16  # no snapshot at 24: a file's state is untrusted
+    c = fresh.load_session(full).generate([], GREEDY)
+    assert c.token_ids == hf_greedy(hf, first + a.token_ids + [9], 12) and c.cached_tokens == len(first) + 13
+    loaded.close()
+    assert fresh.usage().held_states == 1  # the second loaded session's state
+
+
+def test_an_expired_engine_session_saves_its_tokens_and_recomputes_them_on_reload(exported, tmp_path):
+    ours, hf = exported
+    first = prompts(1, 10, seed=11)[0]
+    eng = engine(ours)
+    chat = eng.session()
+    a = chat.generate(first, GREEDY)
+    chat.expire()
+    chat.save(path := tmp_path / "expired.safetensors")
+    b = engine(ours).load_session(path).generate([4], GREEDY)
+    assert b.token_ids == hf_greedy(hf, first + a.token_ids + [4], 12) and b.cached_tokens == 0
+
+
+def test_a_foreign_or_edited_state_file_is_refused_by_an_engine_session(exported, tmp_path):
+    ours, _ = exported
+    eng = engine(ours)
+    chat = eng.session()
+    chat.generate(prompts(1, 6, seed=12)[0], GREEDY)
+    chat.save(path := tmp_path / "chat.safetensors")
+    other = Transformer(ModelConfig.from_name("rwkv-debug", hidden_size=32, intermediate_size=128)).eval()
+    with pytest.raises(SessionError, match="different model"):
+        engine(other).load_session(path)
+    StateSession.warm(ours, [3, 4, 5]).save(bare := tmp_path / "bare.safetensors")
+    with pytest.raises(SessionError, match="without token ids.*StateSession.load"):
+        eng.load_session(bare)
+    assert StateSession.load(path, ours).num_tokens == chat.num_computed  # a state session reads it too
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    tensors["token_ids"][0] = 10**6
+    save_file(tensors, bad := tmp_path / "bad.safetensors", metadata=metadata)
+    with pytest.raises(SessionError, match="outside the vocabulary"):
+        eng.load_session(bad)
+    tensors = load_file(path)
+    tensors["token_ids"] = tensors["token_ids"][:3]
+    save_file(tensors, short := tmp_path / "short.safetensors", metadata=metadata)
+    with pytest.raises(SessionError, match="token_ids"):
+        eng.load_session(short)
+    assert eng.usage().held_states == 1  # only chat's: a refused file takes nothing
