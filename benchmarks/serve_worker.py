@@ -40,8 +40,14 @@ def tree_cpu(pid: int) -> float:
 # -- the workers (each side in a process of its own) ----------------------------------------------------
 def our_generator(model_dir: str, threads: int, loop: bool = False) -> Callable:
     """`Engine.generate` stepping the batch on the calling (main) thread, or with `loop` on the engine's
-    background loop thread, as `astrai-pl serve` runs it."""
+    background loop thread, as `astrai-pl serve` runs it. The package is imported before harness (which
+    imports torch), so its OMP_WAIT_POLICY=PASSIVE reaches OpenMP as it does under every `astrai-pl` verb:
+    torch loaded first leaves libgomp busy-waiting, and stepping on the main thread then ran up to 10x slower
+    on 2 shared cores."""
+    # isort: off
+    import astrai_pl  # noqa: F401
     from harness import setup
+    # isort: on
 
     setup(threads)
     from astrai_pl.inference import Engine, SamplingParams

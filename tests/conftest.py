@@ -1,3 +1,9 @@
+# The package first: its OMP_WAIT_POLICY=PASSIVE reaches OpenMP only if set before torch is loaded (with torch
+# first, OpenMP busy-waits: a small matmul on 2 cores beside another process ran 10x slower); the suite runs as
+# every verb does.
+# isort: off
+import astrai_pl  # noqa: F401
+# isort: on
 import os
 import tempfile
 from pathlib import Path
