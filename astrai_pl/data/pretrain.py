@@ -119,7 +119,8 @@ class PretrainData(L.LightningDataModule):
             streaming: Read the files lazily, tokenize on the fly and never hold the corpus in memory (needs
                 trainer.max_steps); the stream's position is saved in checkpoints. See docs/data.md.
             sources: Streaming only: several weighted sources instead of `path`, `[{path, weight, name}]`
-                (path: a file, a glob or a list; weight default 1; name default the first file's stem).
+                (path: a file, a glob, a list, or null for the embedded corpus; weight default 1; name default
+                the first file's stem).
             val_rows: Streaming only: the first val_rows documents of each source's first file are held out
                 for validation (never trained), or the first val_rows of val_path when given.
             val_path: Streaming only: files (a path, glob or list) to validate on instead of held-out rows.

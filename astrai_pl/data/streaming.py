@@ -403,10 +403,14 @@ class StreamingCorpus:
             raise DataError(f"val_rows={hp.val_rows}, shuffle_rows={hp.shuffle_rows}", "val_rows",
                             "give counts >= 0")
         self.hp, self.tokenizer = hp, tokenizer
-        path = hp.path
-        if path is None and hp.sources is None:  # the embedded corpus, written once as a file to stream
-            path = str(export_embedded_corpus(cache_dir / "pretrain" / f"embedded-{corpus_version()}.jsonl"))
-        self.sources = stream_sources(path, hp.sources)
+        def embedded() -> str:  # the embedded corpus, written once as a file to stream
+            return str(export_embedded_corpus(cache_dir / "pretrain" / f"embedded-{corpus_version()}.jsonl"))
+
+        path = embedded() if hp.path is None and hp.sources is None else hp.path
+        sources = None if hp.sources is None else [  # a source's `path: null` is the embedded corpus too
+            {**spec, "path": embedded()} if isinstance(spec, dict) and "path" in spec and spec["path"] is None
+            else spec for spec in hp.sources]
+        self.sources = stream_sources(path, sources)
         self.loader: StreamingLoader | None = None
         self.val_windows = self._held_out()
 
