@@ -1,5 +1,6 @@
 """Grouped-query self-attention with RoPE, optional q/k norm and qkv bias, block-causal over packed documents,
-a sliding window on the layers the config names, and optional soft-capping of the scores (Gemma 2).
+a sliding window on the layers the config names, causal within the branches of a prefix tree (one shared
+prompt, several continuations), and optional soft-capping of the scores (Gemma 2).
 
 The one seam for inference: when a `cache` object is passed, the rotated q/k/v go to
 `cache.attend(layer_idx, q, k, v)` (which stores K/V and attends over the stored context);
@@ -34,17 +35,29 @@ class KVCacheView(Protocol):
 
 @dataclass
 class AttentionMask:
-    """How tokens may attend: plain causal (mask is None) or block-causal within documents; `for_window`
-    narrows either to a sliding window (key j visible from query i when i - j < window, as transformers)."""
+    """How tokens may attend: plain causal (mask is None), block-causal within documents, or causal within
+    branches of a prefix tree (`branch_ids`); `for_window` narrows any of them to a sliding window (key j
+    visible from query i when i - j < window in positions, as transformers)."""
 
     mask: torch.Tensor | None  # (B, 1, T, T) bool, True = may attend; None = causal
     seq_len: int = 0
     device: torch.device | None = None
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # built once per forward and window
+    position_ids: torch.Tensor | None = None  # (B, T), where row distance is not position distance (branches)
 
     @classmethod
-    def build(cls, document_ids: torch.Tensor | None, seq_len: int, device: torch.device | None = None
-              ) -> AttentionMask:
+    def build(cls, document_ids: torch.Tensor | None, seq_len: int, device: torch.device | None = None,
+              branch_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> AttentionMask:
+        """`branch_ids` (B, T): 0 for a row's trunk (a shared prefix), b > 0 for the tokens of branch b, each
+        branch following the trunk in positions (`position_ids`, needed with branches) but not the other
+        branches: a token sees the trunk before it and its own branch, causally."""
+        if branch_ids is not None:
+            causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=branch_ids.device).tril()
+            keys = branch_ids[:, None, :]
+            visible = causal & ((keys == 0) | (keys == branch_ids[:, :, None]))  # (B, T, T)
+            if document_ids is not None:
+                visible = visible & (document_ids[:, :, None] == document_ids[:, None, :])
+            return cls(visible.unsqueeze(1), seq_len, branch_ids.device, position_ids=position_ids)
         # One document per row is plain causal: no (B, T, T) mask, and SDPA takes its causal kernel.
         if document_ids is None or bool((document_ids == document_ids[:, :1]).all()):
             return cls(None, seq_len, device)
@@ -54,13 +67,18 @@ class AttentionMask:
 
     def for_window(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer seeing the last `window` tokens (None: the whole context); None means causal.
-        Within a packed row the documents are contiguous, so row distance is position distance."""
+        Within a packed row the documents are contiguous, so row distance is position distance; across the
+        branches of a tree it is not, and the positions decide."""
         if window is None or window >= self.seq_len:
             return self.mask
         if window not in self.windowed:
-            i = torch.arange(self.seq_len, device=self.device)
-            near = (i[:, None] - i[None, :] < window) & (i[:, None] >= i[None, :])  # (T, T) causal band
-            self.windowed[window] = near if self.mask is None else self.mask & near
+            if self.position_ids is not None:  # visible keys never lie ahead of their query in positions
+                pos = self.position_ids
+                self.windowed[window] = self.mask & (pos[:, None, :, None] - pos[:, None, None, :] < window)
+            else:
+                i = torch.arange(self.seq_len, device=self.device)
+                near = (i[:, None] - i[None, :] < window) & (i[:, None] >= i[None, :])  # (T, T) causal band
+                self.windowed[window] = near if self.mask is None else self.mask & near
         return self.windowed[window]
 
 

@@ -106,29 +106,35 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,  # (B, T)
         cache: KVCacheView | None = None,
         sequence_lengths: torch.Tensor | None = None,  # (B, T)
+        branch_ids: torch.Tensor | None = None,  # (B, T)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final normed hidden states (B, T, hidden) and the MoE auxiliary loss (None for dense models).
         `sequence_lengths`: the whole length of each token's sequence, where longrope needs more than this forward
-        shows (the engine's prompt chunks); by default the largest position of its row or document, plus one."""
-        return self._hidden_states(input_ids, position_ids, document_ids, cache, sequence_lengths)
+        shows (the engine's prompt chunks); by default the largest position of its row or document, plus one.
+        `branch_ids`: a row laid out as a prefix tree (0: the shared trunk, b > 0: branch b; see
+        `AttentionMask.build`), with `position_ids` giving each token its position in its own sequence."""
+        return self._hidden_states(input_ids, position_ids, document_ids, cache, sequence_lengths, branch_ids)
 
-    def _hidden_states(self, input_ids, position_ids, document_ids, cache, sequence_lengths=None):
+    def _hidden_states(self, input_ids, position_ids, document_ids, cache, sequence_lengths=None, branch_ids=None):
         # The body of both `hidden_states` and `forward`: FSDP2 wraps each of the two public methods with
         # its gather/reshard hooks (parallel.py), so neither may call the other.
+        if branch_ids is not None and (cache is not None or position_ids is None or self.config.mixer == "rwkv"):
+            raise ValueError("branch_ids lay out a prefix tree for attention: they need position_ids, no cache "
+                             "and an attention model")
         if self.config.mixer == "rwkv":  # no positions or mask; each document restarts the recurrent state
             x = run_blocks(self.layers, self.embed_tokens(input_ids), position_ids, document_ids, cache)
             return self.norm(x), None
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        elif document_ids is None and cache is None:
+        elif document_ids is None and cache is None and branch_ids is None:
             document_ids = document_ids_from_positions(position_ids)
         x = self.embed_tokens(input_ids)
         if self.config.is_gemma:  # sqrt(hidden) rounded to the activations' dtype, as transformers does
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         rope = self.rotary(position_ids, x.dtype, document_ids, sequence_lengths)
         local = rope if self.rotary_local is None else self.rotary_local(position_ids, x.dtype)
-        mask = AttentionMask.build(document_ids, T, x.device)
+        mask = AttentionMask.build(document_ids, T, x.device, branch_ids, position_ids)
         aux = []
         for i, block in enumerate(self.layers):
             x, block_aux = block(x, local if self.config.is_sliding_layer(i) else rope, mask, cache)

@@ -28,19 +28,21 @@ from ..checkpoint import CheckpointError
 from ..checkpoint.loading import weights_fingerprint
 from ..model.config import ConfigError
 from .base import Objective, check_reference_fingerprint, frozen_copy, reference_scope
-from .logprobs import IGNORE_INDEX, sequence_logprobs, token_logprobs
+from .logprobs import IGNORE_INDEX, hidden_logprobs, sequence_logprobs
 from .losses import dpo_loss
 from .options import check_dpo_options
+from .shared_prompt import pair_hidden_states
 
 SIDES = ("chosen", "rejected")
 TABLE_OF_STAGE = {"train": "train", "val": "val", "test": "val"}  # which precomputed table a stage reads
 
 
 def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed response log-probabilities of the chosen and the rejected sides, in one forward.  (B,), (B,)"""
-    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])  # (2B, T)
+    """Summed response log-probabilities of the chosen and the rejected sides, in one forward (each shared
+    prompt computed once where that pays: `shared_prompt.pair_hidden_states`).  (B,), (B,)"""
     labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])  # (2B, T)
-    chosen, rejected = sequence_logprobs(token_logprobs(model, ids, labels)).chunk(2)  # (B,) each
+    token_lp = hidden_logprobs(model.lm_head, pair_hidden_states(model, batch), labels)
+    chosen, rejected = sequence_logprobs(token_lp).chunk(2)  # (B,) each
     return chosen, rejected
 
 
@@ -68,11 +70,11 @@ def reference_table(model: nn.Module, loader: Any, device: torch.device) -> torc
 class DPO(Objective):
     """L = mean over pairs of −log σ(β · ((πc − πr) − (rc − rr)))  (loss_type 'sigmoid'; see `dpo_loss`).
 
-    π·/r· are the summed log-probabilities of the chosen (c) and rejected (r) responses under the policy
-    and the frozen reference; prompts and padding are never scored. Both sides of every pair go through
-    the model as one (2B, T) batch. The per-pair mean is exact under gradient accumulation (DPOData
-    tags batches with `window_pairs`). Metrics, with TRL's names, under train/ and val/: rewards/chosen,
-    rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
+    π·/r· are the summed log-probabilities of the chosen (c) and rejected (r) responses under the policy and the
+    frozen reference; prompts and padding are never scored. Both sides of every pair go through the model in one
+    forward, the prompt they share computed once (`shared_prompt`). The per-pair mean is exact under gradient
+    accumulation (DPOData tags batches with `window_pairs`). Metrics, with TRL's names, under train/ and val/:
+    rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
     """
 
     def __init__(

@@ -47,6 +47,13 @@ def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: tor
     return logprobs_from_logits(logits, targets)  # (C,)
 
 
+def _check_scoring(chunk_size: int, temperature: float) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (it divides the logits), got {temperature}")
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,  # (B, T)
@@ -65,12 +72,23 @@ def token_logprobs(
     model. Requires `model.hidden_states(...) -> (hidden, aux)` and `model.lm_head`; the MoE
     auxiliary loss is dropped (preference and RL losses do not add it).
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (it divides the logits), got {temperature}")
-    B, T = input_ids.shape
+    _check_scoring(chunk_size, temperature)  # before the forward
     hidden, _ = model.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids)
+    return hidden_logprobs(model.lm_head, hidden, labels, chunk_size=chunk_size, temperature=temperature)
+
+
+def hidden_logprobs(
+    lm_head: torch.nn.Module,
+    hidden: torch.Tensor,  # (B, T, H), the model's final normed hidden states
+    labels: torch.Tensor,  # (B, T), aligned with the tokens the states were computed from, -100 where not scored
+    *,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """`token_logprobs` from hidden states already computed: the lm_head on the scored positions only, in
+    chunks recomputed in the backward pass.  (B, T)"""
+    _check_scoring(chunk_size, temperature)
+    B, T = labels.shape
     targets = torch.cat([labels[:, 1:], labels.new_full((B, 1), IGNORE_INDEX)], dim=1)
     hidden, targets, where = scored_rows(hidden, targets)  # (N, H), (N,), flat indices of scored positions
     recompute = torch.is_grad_enabled() and hidden.requires_grad
@@ -78,9 +96,9 @@ def token_logprobs(
     for start in range(0, max(len(where), 1), chunk_size):  # one empty chunk keeps the graph when N == 0
         h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
         if recompute:
-            chunks.append(checkpoint(_chunk_logprobs, model.lm_head, h, t, temperature, use_reentrant=False))
+            chunks.append(checkpoint(_chunk_logprobs, lm_head, h, t, temperature, use_reentrant=False))
         else:
-            chunks.append(_chunk_logprobs(model.lm_head, h, t, temperature))
+            chunks.append(_chunk_logprobs(lm_head, h, t, temperature))
     scored = torch.cat(chunks)  # (N,)
     out = scored.new_zeros(B * T).index_put((where,), scored)
     return out.view(B, T)

@@ -20,7 +20,7 @@ from .preference_losses import orpo_loss
 
 def mean_pair_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Mean token log-probabilities of the chosen and the rejected responses (B,), (B,), and the chosen
-    responses' token-mean negative log-likelihood (), from one (2B, T) forward."""
+    responses' token-mean negative log-likelihood (), from one forward."""
     (chosen, rejected), (n_chosen, n_rejected) = pair_logps(model, batch), response_lengths(batch)
     return chosen / n_chosen, rejected / n_rejected, -chosen.sum() / n_chosen.sum()
 
@@ -40,10 +40,10 @@ class PairObjective(Objective):
 class ORPO(PairObjective):
     """L = NLL(chosen) − β · mean over pairs of log σ(log odds(p_c) − log odds(p_r))  (see `orpo_loss`).
 
-    p: mean token log-probability of a response; prompts and padding are never scored. Both sides of every pair
-    go through the model as one (2B, T) batch. Metrics, with TRL's names, under train/ and val/: nll_loss,
-    log_odds_ratio, log_odds_chosen, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
-    logps/chosen, logps/rejected.
+    p: mean token log-probability of a response; prompts and padding are never scored. Both sides of every pair go
+    through the model in one forward, the prompt they share computed once (`shared_prompt`). Metrics, with TRL's
+    names, under train/ and val/: nll_loss, log_odds_ratio, log_odds_chosen, rewards/chosen, rewards/rejected,
+    rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
     """
 
     def __init__(self, *args: Any, beta: float = 0.1, **kwargs: Any):

@@ -35,6 +35,7 @@ from ..model.lora import merge_lora
 from .options import check_reward_options
 from .orpo import PairObjective
 from .preference_losses import bradley_terry_loss
+from .shared_prompt import pair_hidden_states
 
 SCORE_KEY = "score.weight"
 CAUSAL_CALLBACKS = ("HFExport", "SampleGenerations", "ModelArtifact")  # need an lm_head
@@ -56,7 +57,11 @@ def last_scored_positions(labels: torch.Tensor) -> torch.Tensor:
 
 def sequence_scores(model: Transformer, input_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """The score head on the final hidden state at position `last` (B,) of each sequence.  (B,)"""
-    hidden, _ = model.hidden_states(input_ids)  # (B, T, H)
+    return head_scores(model, model.hidden_states(input_ids)[0], last)
+
+
+def head_scores(model: Transformer, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The score head on `hidden` (B, T, H) at position `last` (B,) of each row.  (B,)"""
     picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, H)
     return model.lm_head(picked).squeeze(-1).float()
 
@@ -64,10 +69,10 @@ def sequence_scores(model: Transformer, input_ids: torch.Tensor, last: torch.Ten
 class RewardModel(PairObjective):
     """L = −mean over pairs of log σ(s_c − s_r) [+ c · mean (s_c + s_r)²]  (see `bradley_terry_loss`).
 
-    s: the score of the chosen (c) and the rejected (r) sequence (prompt and response), read at its last token.
-    Both sides of every pair go through the model as one (2B, T) batch; the per-pair mean is exact under
-    gradient accumulation (DPOData tags batches with `window_pairs`). Metrics, with TRL's names, under train/
-    and val/: accuracy, margin, mean_reward, min_reward, max_reward.
+    s: the score of the chosen (c) and the rejected (r) sequence (prompt and response), read at its last token. Both
+    sides of every pair go through the model in one forward, the prompt they share computed once (`shared_prompt`);
+    the per-pair mean is exact under gradient accumulation (DPOData tags batches with `window_pairs`). Metrics, with
+    TRL's names, under train/ and val/: accuracy, margin, mean_reward, min_reward, max_reward.
     """
 
     def __init__(self, *args: Any, center_rewards_coefficient: float | None = None, **kwargs: Any):
@@ -94,9 +99,9 @@ class RewardModel(PairObjective):
 
     def scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The scores of the chosen and the rejected sequences of a DPOData batch.  (B,), (B,)"""
-        ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])  # (2B, T)
         labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])  # (2B, T)
-        return sequence_scores(self.model, ids, last_scored_positions(labels)).chunk(2)
+        hidden = pair_hidden_states(self.model, batch)  # (2B, T, H), each shared prompt computed once if that pays
+        return head_scores(self.model, hidden, last_scored_positions(labels)).chunk(2)
 
     def _shared_step(self, batch: dict[str, torch.Tensor], stage: str):
         chosen, rejected = self.scores(batch)

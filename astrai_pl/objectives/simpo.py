@@ -15,9 +15,10 @@ from .preference_losses import simpo_loss
 class SimPO(PairObjective):
     """L = mean over pairs of −log σ(β · (p_c − p_r) − γ)  (label_smoothing 0; see `simpo_loss`).
 
-    p: mean token log-probability of a response; prompts and padding are never scored. Both sides of every pair
-    go through the model as one (2B, T) batch. Metrics, with TRL's names, under train/ and val/: rewards/chosen,
-    rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
+    p: mean token log-probability of a response; prompts and padding are never scored. Both sides of every pair go
+    through the model in one forward, the prompt they share computed once (`shared_prompt`). Metrics, with TRL's
+    names, under train/ and val/: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
+    logps/chosen, logps/rejected.
     """
 
     def __init__(self, *args: Any, beta: float = 2.0, gamma: float = 0.5, label_smoothing: float = 0.0,
