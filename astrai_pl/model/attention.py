@@ -22,7 +22,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .gemma import norm_for, softcap
-from .layers import Linear, apply_rotary, project
+from .layers import Linear, apply_rotary, pick_rows, project
 
 
 class KVCacheView(Protocol):
@@ -80,6 +80,15 @@ class AttentionMask:
                 near = (i[:, None] - i[None, :] < window) & (i[:, None] >= i[None, :])  # (T, T) causal band
                 self.windowed[window] = near if self.mask is None else self.mask & near
         return self.windowed[window]
+
+
+def query_rows_mask(mask: torch.Tensor | None, rows: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The rows (B, k) of an attention mask (None: causal; (T, T) or (B, 1, T, T)), as (B, 1, k, T) bool."""
+    if mask is None:
+        return (torch.arange(seq_len, device=rows.device) <= rows[..., None]).unsqueeze(1)
+    if mask.dim() == 2:
+        return mask[rows].unsqueeze(1)
+    return mask.gather(2, rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1]))
 
 
 def document_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -155,13 +164,18 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: (B, T, D)
         mask: AttentionMask,
         cache: KVCacheView | None = None,
+        queries: torch.Tensor | None = None,  # (B, k): only these rows' outputs, (B, k, hidden)
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        if queries is None:
+            q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        else:  # every row's keys and values, the queries of a few
+            q, (k, v) = self.q_proj(pick_rows(x, queries)), project(x, self.k_proj, self.v_proj)
+        Tq = T if queries is None else queries.shape[1]
         upcast = cache is None and sdpa_in_float32(x)
         if upcast:  # before RoPE, which promotes q and k to float32 under autocast anyway
             q, k, v = q.float(), k.float(), v.float()
-        q = q.view(B, T, self.n_heads, self.head_dim)
+        q = q.view(B, Tq, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if self.wide_qk_norm:
@@ -169,11 +183,14 @@ class Attention(nn.Module):
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # RoPE before any cache write: cached keys keep the rotation of their own position.
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q_rope = rope if queries is None else [pick_rows(t, queries) for t in rope]
+        q, k = apply_rotary(q, *q_rope), apply_rotary(k, *rope)
         if cache is not None:  # (B, T, H, D)
             out = cache.attend(self.layer_idx, q, k, v, window=self.window, scale=self.scale, softcap=self.softcap)
         else:
             attn_mask = mask.for_window(self.window)
+            if queries is not None:
+                attn_mask = query_rows_mask(attn_mask, queries, T)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             with torch.autocast("cpu", enabled=False) if upcast else contextlib.nullcontext():
                 if self.softcap is not None:
@@ -184,4 +201,4 @@ class Attention(nn.Module):
                         enable_gqa=self.n_kv_heads != self.n_heads,
                     )
             out = out.transpose(1, 2)
-        return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
+        return self.o_proj(out.reshape(B, Tq, self.n_heads * self.head_dim))

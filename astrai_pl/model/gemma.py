@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, SwiGLU, project
+from .layers import Linear, RMSNorm, SwiGLU, keep_rows, project
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -88,6 +88,7 @@ class GemmaBlock(nn.Module):
         self.mlp = dense_mlp(cfg)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, mask, cache=None):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, cache))
+    def forward(self, x, rope, mask, cache=None, queries=None):
+        attended = self.self_attn(self.input_layernorm(x), rope, mask, cache, queries)
+        x = keep_rows(x, queries) + self.post_attention_layernorm(attended)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), None

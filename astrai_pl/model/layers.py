@@ -122,6 +122,17 @@ class Linear(nn.Linear):
                 _INPUT_MAJOR.reset(token)
 
 
+def pick_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x (B, T, ...) at rows (B, k) of each batch row → (B, k, ...)."""
+    index = rows.view(*rows.shape, *([1] * (x.dim() - 2))).expand(*rows.shape, *x.shape[2:])
+    return x.gather(1, index)
+
+
+def keep_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """A block's residual stream at the rows its attention answered for (all of them when `rows` is None)."""
+    return x if rows is None else pick_rows(x, rows)
+
+
 def project(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
     """`[linear(x) for linear in linears]`; under `Linear.input_major` (autograd off) one matmul against
     the linears' joined (in, Σ out) copy, split back. Outside it each module is called as usual, so

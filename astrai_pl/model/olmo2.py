@@ -12,7 +12,7 @@ from torch import nn
 
 from .attention import Attention, AttentionMask, KVCacheView
 from .config import ModelConfig
-from .layers import RMSNorm, SwiGLU
+from .layers import RMSNorm, SwiGLU, keep_rows
 
 
 class PostNormBlock(nn.Module):
@@ -23,6 +23,6 @@ class PostNormBlock(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, mask: AttentionMask, cache: KVCacheView | None = None):
-        x = x + self.post_attention_layernorm(self.self_attn(x, rope, mask, cache))
+    def forward(self, x, rope, mask: AttentionMask, cache: KVCacheView | None = None, queries=None):
+        x = keep_rows(x, queries) + self.post_attention_layernorm(self.self_attn(x, rope, mask, cache, queries))
         return x + self.post_feedforward_layernorm(self.mlp(x)), None

@@ -16,7 +16,7 @@ from torch import nn
 from .attention import Attention, AttentionMask, KVCacheView, document_ids_from_positions
 from .config import ModelConfig
 from .gemma import GemmaBlock, GemmaRMSNorm, dense_mlp, norm_for, output_layer
-from .layers import RMSNorm, RotaryEmbedding
+from .layers import RMSNorm, RotaryEmbedding, keep_rows
 from .moe import MoE
 from .olmo2 import PostNormBlock
 from .rwkv import RwkvBlock, final_norm, reset_rwkv_parameters, run_blocks
@@ -38,8 +38,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else dense_mlp(cfg)
 
-    def forward(self, x, rope, mask: AttentionMask, cache: KVCacheView | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
+    def forward(self, x, rope, mask: AttentionMask, cache: KVCacheView | None = None, queries=None):
+        x = keep_rows(x, queries) + self.self_attn(self.input_layernorm(x), rope, mask, cache, queries)
         out = self.mlp(self.post_attention_layernorm(x))
         if isinstance(out, tuple):  # MoE: (output, aux loss)
             return x + out[0], out[1]
@@ -107,15 +107,21 @@ class Transformer(nn.Module):
         cache: KVCacheView | None = None,
         sequence_lengths: torch.Tensor | None = None,  # (B, T)
         branch_ids: torch.Tensor | None = None,  # (B, T)
+        output_rows: torch.Tensor | None = None,  # (B, k)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final normed hidden states (B, T, hidden) and the MoE auxiliary loss (None for dense models).
         `sequence_lengths`: the whole length of each token's sequence, where longrope needs more than this forward
         shows (the engine's prompt chunks); by default the largest position of its row or document, plus one.
         `branch_ids`: a row laid out as a prefix tree (0: the shared trunk, b > 0: branch b; see
-        `AttentionMask.build`), with `position_ids` giving each token its position in its own sequence."""
-        return self._hidden_states(input_ids, position_ids, document_ids, cache, sequence_lengths, branch_ids)
+        `AttentionMask.build`), with `position_ids` giving each token its position in its own sequence.
+        `output_rows`: only the states at these rows of each batch row, (B, k, hidden), are wanted (a reward
+        model's last tokens): the last layer then computes its queries, output projection and MLP for them
+        alone (an attention model without a cache; otherwise the rows are picked from the full result)."""
+        return self._hidden_states(input_ids, position_ids, document_ids, cache, sequence_lengths, branch_ids,
+                                   output_rows)
 
-    def _hidden_states(self, input_ids, position_ids, document_ids, cache, sequence_lengths=None, branch_ids=None):
+    def _hidden_states(self, input_ids, position_ids, document_ids, cache, sequence_lengths=None, branch_ids=None,
+                       output_rows=None):
         # The body of both `hidden_states` and `forward`: FSDP2 wraps each of the two public methods with
         # its gather/reshard hooks (parallel.py), so neither may call the other.
         if branch_ids is not None and (cache is not None or position_ids is None or self.config.mixer == "rwkv"):
@@ -123,7 +129,7 @@ class Transformer(nn.Module):
                              "and an attention model")
         if self.config.mixer == "rwkv":  # no positions or mask; each document restarts the recurrent state
             x = run_blocks(self.layers, self.embed_tokens(input_ids), position_ids, document_ids, cache)
-            return self.norm(x), None
+            return self.norm(keep_rows(x, output_rows)), None
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -135,11 +141,17 @@ class Transformer(nn.Module):
         rope = self.rotary(position_ids, x.dtype, document_ids, sequence_lengths)
         local = rope if self.rotary_local is None else self.rotary_local(position_ids, x.dtype)
         mask = AttentionMask.build(document_ids, T, x.device, branch_ids, position_ids)
-        aux = []
+        aux, last = [], len(self.layers) - 1
         for i, block in enumerate(self.layers):
-            x, block_aux = block(x, local if self.config.is_sliding_layer(i) else rope, mask, cache)
+            angles = local if self.config.is_sliding_layer(i) else rope
+            if i == last and output_rows is not None and cache is None:
+                x, block_aux = block(x, angles, mask, cache, output_rows)  # the wanted rows only
+            else:
+                x, block_aux = block(x, angles, mask, cache)
             if block_aux is not None:
                 aux.append(block_aux)
+        if output_rows is not None and cache is not None:
+            x = keep_rows(x, output_rows)
         return self.norm(x), (torch.stack(aux).mean() if aux else None)
 
     def forward(self, input_ids, position_ids=None, document_ids=None, cache=None) -> TransformerOutput:

@@ -57,13 +57,8 @@ def last_scored_positions(labels: torch.Tensor) -> torch.Tensor:
 
 def sequence_scores(model: Transformer, input_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """The score head on the final hidden state at position `last` (B,) of each sequence.  (B,)"""
-    return head_scores(model, model.hidden_states(input_ids)[0], last)
-
-
-def head_scores(model: Transformer, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """The score head on `hidden` (B, T, H) at position `last` (B,) of each row.  (B,)"""
-    picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, H)
-    return model.lm_head(picked).squeeze(-1).float()
+    hidden, _ = model.hidden_states(input_ids, output_rows=last[:, None])  # (B, 1, H)
+    return model.lm_head(hidden[:, 0]).squeeze(-1).float()
 
 
 class RewardModel(PairObjective):
@@ -100,8 +95,9 @@ class RewardModel(PairObjective):
     def scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The scores of the chosen and the rejected sequences of a DPOData batch.  (B,), (B,)"""
         labels = torch.cat([batch["chosen_labels"], batch["rejected_labels"]])  # (2B, T)
-        hidden = pair_hidden_states(self.model, batch)  # (2B, T, H), each shared prompt computed once if that pays
-        return head_scores(self.model, hidden, last_scored_positions(labels)).chunk(2)
+        # (2B, H) at each sequence's last token, each shared prompt computed once if that pays
+        hidden = pair_hidden_states(self.model, batch, at=last_scored_positions(labels))
+        return self.model.lm_head(hidden).squeeze(-1).float().chunk(2)
 
     def _shared_step(self, batch: dict[str, torch.Tensor], stage: str):
         chosen, rejected = self.scores(batch)

@@ -89,19 +89,26 @@ def _tree_usable(cfg, seq_len: int) -> bool:
     return not (cfg.rope_type == "dynamic" and seq_len > cfg.max_position_embeddings)  # angles follow the row
 
 
-def pair_hidden_states(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def pair_hidden_states(model: nn.Module, batch: dict[str, torch.Tensor],
+                       at: torch.Tensor | None = None) -> torch.Tensor:
     """Final hidden states of `[chosen; rejected]` (2B, T, H) from a DPOData batch, each shared prompt computed
-    once when that pays (see the module's docstring)."""
+    once when that pays (see the module's docstring). With `at` (2B,), a position in each of the 2B sequences,
+    only the states there (2B, H): the last layer then works for those positions alone (`output_rows`)."""
     chosen, rejected = batch["chosen_input_ids"], batch["rejected_input_ids"]
     B, T = chosen.shape
     cfg = getattr(model, "config", None)
     if _tree_usable(cfg, T):
         tree = pair_tree(chosen, rejected, needed_lengths(batch["chosen_labels"]),
                          needed_lengths(batch["rejected_labels"]))
-        if tree_pays(cfg, B, T, tree.input_ids.shape[1]):
+        N = tree.input_ids.shape[1]
+        if tree_pays(cfg, B, T, N):
             lengths = torch.full_like(tree.position_ids, T)  # longrope: each side's length in the plain batch
+            rows = None if at is None else (tree.gather.gather(1, at[:, None]).view(2, B).t() % N)  # (B, 2)
             hidden, _ = model.hidden_states(tree.input_ids, position_ids=tree.position_ids,
-                                            branch_ids=tree.branch_ids, sequence_lengths=lengths)
+                                            branch_ids=tree.branch_ids, sequence_lengths=lengths, output_rows=rows)
+            if at is not None:  # (B, 2, H): each pair's chosen, then its rejected
+                return hidden.transpose(0, 1).reshape(2 * B, -1)
             return hidden.reshape(-1, hidden.shape[-1])[tree.gather.flatten()].view(2 * B, T, -1)
-    hidden, _ = model.hidden_states(torch.cat([chosen, rejected]))
-    return hidden
+    ids = torch.cat([chosen, rejected])
+    hidden, _ = model.hidden_states(ids, output_rows=None if at is None else at[:, None])
+    return hidden if at is None else hidden[:, 0]

@@ -120,3 +120,14 @@ def test_branch_ids_are_refused_where_there_is_no_mask_to_branch_with():
     ids = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="branch_ids"):
         model.hidden_states(ids, position_ids=torch.arange(4)[None], branch_ids=torch.zeros_like(ids))
+
+
+@pytest.mark.parametrize("prompt", [48, 2])  # the tree, then the plain batch
+def test_the_states_at_one_position_per_sequence_equal_the_full_states_there(prompt):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name("debug")).eval()
+    batch = collate_pairs(pair_rows([prompt, prompt], [16, 9], [12, 20], seed=3), pad_id=0, max_seq_len=80)
+    at = torch.tensor([prompt + 15, prompt + 3, prompt + 11, prompt + 19])
+    with torch.no_grad():
+        full, few = pair_hidden_states(model, batch), pair_hidden_states(model, batch, at=at)
+    torch.testing.assert_close(few, full[torch.arange(4), at], rtol=1e-4, atol=1e-5)
