@@ -96,7 +96,7 @@ void rotary(const float *x, long x_stride, const float *cos, const float *sin, f
  * a wider tile spills every step), the strips of a panel in turn. A panel is taken K_BLOCK k steps at a
  * time (16 KB): every row block and strip runs over that block while it sits in L1, the tiles carrying
  * their sums from one block to the next through y (the same additions in the same order), and while they
- * do, each prefetches its share of the next block into L2 (spread over its steps), so the weights stream
+ * do, each prefetches its share of the next block into L2 (one group every four k steps), so the weights stream
  * from memory behind the arithmetic instead of ahead of it. Row blocks re-reading a whole panel from L2
  * instead (a down projection's panel of K = 1408 is 360 KB, most of L2 with the next one coming in) cost
  * the 16 rows of a decode step at the `small` preset a fifth more time. With the few rows of a decode
@@ -113,13 +113,26 @@ void rotary(const float *x, long x_stride, const float *cos, const float *sin, f
 #endif
 typedef float vec __attribute__((vector_size(VEC * 4), aligned(4)));
 
+/* one k step of a tile: acc[m][·] += x[m, kk] · the panel's row at `wk` */
+#define TILE_STEP(R, V, wk, kk)                                                                          \
+    {                                                                                                     \
+        vec b[V];                                                                                         \
+        _Pragma("GCC unroll 8") for (int j = 0; j < V; ++j) b[j] = *(const vec *)((wk) + j * VEC);        \
+        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                             \
+            const float a = x[m * ldx + (kk)];                                                            \
+            _Pragma("GCC unroll 8") for (int j = 0; j < V; ++j) acc[m][j] += a * b[j];                    \
+        }                                                                                                 \
+    }
+
 #define DEFINE_TILE(R, W)                                                                                \
     static void tile##R##_##W(const float *x, long ldx, const float *wp, float *y, long ldy, long K,      \
-                              long cols, const char *pf, long pf_lines, long per_step, int add) {         \
+                              long cols, const char *pf, long pf_lines, int add) {                    \
         enum { V = W / VEC };                                                                             \
         vec acc[R][V];                                                                                    \
         _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                             \
-            if (add) { /* a later k-block: carry on from the sums so far (the same order of additions) */ \
+            if (add && cols == W) {                                                                       \
+                memcpy(acc[m], y + m * ldy, sizeof(acc[m]));                                              \
+            } else if (add) {                                                                             \
                 float first[W] = {0};                                                                     \
                 memcpy(first, y + m * ldy, sizeof(float) * cols);                                        \
                 memcpy(acc[m], first, sizeof(acc[m]));                                                    \
@@ -127,16 +140,17 @@ typedef float vec __attribute__((vector_size(VEC * 4), aligned(4)));
                 _Pragma("GCC unroll 8") for (int j = 0; j < V; ++j) acc[m][j] = (vec){0};                 \
             }                                                                                             \
         }                                                                                                 \
-        for (long k = 0; k < K; ++k, wp += PANEL) {                                                       \
-            for (long l = k * per_step; l < (k + 1) * per_step && l < pf_lines; ++l)                     \
-                __builtin_prefetch(pf + l * 64, 0, 2);                                                    \
-            vec b[V];                                                                                     \
-            _Pragma("GCC unroll 8") for (int j = 0; j < V; ++j) b[j] = *(const vec *)(wp + j * VEC);      \
-            _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                         \
-                const float a = x[m * ldx + k];                                                           \
-                _Pragma("GCC unroll 8") for (int j = 0; j < V; ++j) acc[m][j] += a * b[j];                \
-            }                                                                                             \
+        /* k in fours, the prefetches of `pf` spread one group per four steps (fewer loop instructions per \
+         * FMA than one check per step: 10% more speed for the 16 rows of a decode step), then the rest */ \
+        const long fours = (K + 3) / 4, per_four = (pf_lines + fours - 1) / fours;                      \
+        long line = 0, k = 0;                                                                             \
+        for (; k + 4 <= K; k += 4, wp += 4 * PANEL) {                                                     \
+            for (long end = line + per_four < pf_lines ? line + per_four : pf_lines; line < end; ++line)  \
+                __builtin_prefetch(pf + line * 64, 0, 2);                                                 \
+            _Pragma("GCC unroll 4") for (int u = 0; u < 4; ++u) TILE_STEP(R, V, wp + u * PANEL, k + u)    \
         }                                                                                                 \
+        for (; line < pf_lines; ++line) __builtin_prefetch(pf + line * 64, 0, 2);                         \
+        for (; k < K; ++k, wp += PANEL) TILE_STEP(R, V, wp, k)                                            \
         /* constant-size stores only: a variable-size copy out of acc would keep it in memory, not registers */ \
         _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                             \
             if (cols == W) {                                                                              \
@@ -148,8 +162,7 @@ typedef float vec __attribute__((vector_size(VEC * 4), aligned(4)));
             }                                                                                             \
         }                                                                                                 \
     }
-typedef void (*tile_fn)(const float *, long, const float *, float *, long, long, long, const char *, long, long,
-                        int);
+typedef void (*tile_fn)(const float *, long, const float *, float *, long, long, long, const char *, long, int);
 #if defined(__AVX512F__)
 DEFINE_TILE(1, 64) DEFINE_TILE(2, 64) DEFINE_TILE(3, 64) DEFINE_TILE(4, 64) DEFINE_TILE(5, 64) DEFINE_TILE(6, 64)
 static const tile_fn TILES[TILE_ROWS + 1] = {0, tile1_64, tile2_64, tile3_64, tile4_64, tile5_64, tile6_64};
@@ -183,13 +196,12 @@ void panel_matmul(const float *x, long ldx, const float *panels, float *y, long 
                 const long rows = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, strip = TILE_WIDTH[rows];
                 const long block_end = (pass + 1) * block_share < lines ? (pass + 1) * block_share : lines;
                 const long share = (block_share + PANEL / strip - 1) / (PANEL / strip); /* per strip, over its k steps */
-                const long per_step = (share + kb - 1) / kb;
                 for (long c0 = 0; c0 < width; c0 += strip) {
                     const long first = pass * block_share + (c0 / strip) * share;
                     const long todo = first >= block_end ? 0 : (block_end - first < share ? block_end - first : share);
                     const long cols = width - c0 < strip ? width - c0 : strip;
                     TILES[rows](x + m0 * ldx + k0, ldx, wp + k0 * PANEL + c0, y + m0 * N + p * PANEL + c0, N, kb, cols,
-                                (const char *)next + first * 64, todo, per_step, k0 > 0);
+                                (const char *)next + first * 64, todo, k0 > 0);
                 }
             }
         }
