@@ -116,7 +116,8 @@ class Transformer(nn.Module):
         `AttentionMask.build`), with `position_ids` giving each token its position in its own sequence.
         `output_rows`: only the states at these rows of each batch row, (B, k, hidden), are wanted (a reward
         model's last tokens): the last layer then computes its queries, output projection and MLP for them
-        alone (an attention model without a cache; otherwise the rows are picked from the full result)."""
+        alone (an attention model without a cache; otherwise the rows are picked from the full result), so an
+        MoE last layer's share of the auxiliary loss covers those rows only."""
         return self._hidden_states(input_ids, position_ids, document_ids, cache, sequence_lengths, branch_ids,
                                    output_rows)
 
