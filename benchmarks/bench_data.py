@@ -92,7 +92,7 @@ def consume_streaming(path: str, seq_len: int, batch_size: int, cache: str, limi
             "rss_samples_mb": samples, "peak_rss_mb": peak_mb()}
 
 
-def consume_map(path: str, seq_len: int, batch_size: int, cache: str, limit_gb: float | None = None) -> dict:
+def consume_map(path: str, seq_len: int, batch_size: int, cache: str) -> dict:
     """The map-style path: tokenize into the cache, then one epoch of the resumable loader."""
     from astrai_pl.data import PretrainData
 
@@ -106,8 +106,11 @@ def consume_map(path: str, seq_len: int, batch_size: int, cache: str, limit_gb: 
 
 def child(args: argparse.Namespace) -> None:
     setup()
-    fn = consume_streaming if args.mode == "streaming" else consume_map
-    print(json.dumps(fn(args.file, args.seq_len, args.batch_size, args.cache, args.consume_gb)))
+    if args.mode == "streaming":
+        result = consume_streaming(args.file, args.seq_len, args.batch_size, args.cache, args.consume_gb)
+    else:
+        result = consume_map(args.file, args.seq_len, args.batch_size, args.cache)
+    print(json.dumps(result))
 
 
 def run_child(mode: str, file: Path, args: argparse.Namespace, cache: Path) -> dict:

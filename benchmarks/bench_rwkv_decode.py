@@ -8,7 +8,7 @@ and read back by transformers. Three rows:
    every repetition computes its prompts) against `RwkvForCausalLM.generate` on the batch (equal lengths, so
    it needs no padding). The row says how many completions of each equal transformers' generate on one
    prompt at a time (its batched generate does not always agree with that).
-2. Per-token decode time of one request at 4096 tokens of context over that at 64 (the mean of 32 decode
+2. Per-token decode time of one request at 4096 tokens of context over that at 64 (the median of 32 decode
    steps each, after the prefill), for RWKV and for the attention preset of the same width (`tiny`, its
    context raised to fit): a recurrent step costs the same at any length, attention's grows with it.
 3. Bytes one request holds at 4096 tokens: the RWKV state (`engine.usage().state_bytes`) against the K/V of
@@ -86,7 +86,7 @@ def against_generate(model, args) -> Row:
 
 
 def per_token_decode(engine: Engine, context: int) -> float:
-    """Mean seconds of a decode step of one request with `context` tokens before it."""
+    """Median seconds of a decode step of one request with `context` tokens before it."""
     prompt = torch.randint(3, engine.model.config.vocab_size, (context,),
                            generator=torch.Generator().manual_seed(context)).tolist()
     rid = engine.add_request(prompt, SamplingParams(max_tokens=STEPS + 2, temperature=0.0, ignore_eos=True))

@@ -20,7 +20,6 @@ windows are tagged as for map-style rows (`windows.windowed`): a checkpoint resu
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -41,8 +40,6 @@ from .sampling import data_parallel_rank
 from .sources import announce, plain, resolve_sections
 from .streaming import BlockWalk, check_settings, expand_files, read_batches
 from .tokenized import ERROR_COLUMN, SUMMARY_COLUMN, encode_columns
-
-log = logging.getLogger(__name__)
 
 Numbered = tuple[int, "dict[str, Any] | DataError"]  # a row's line (JSONL) or row number, and the row
 UNBOUNDED_BATCHES = 2**62  # the length of a loader that no trainer bounds

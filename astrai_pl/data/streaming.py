@@ -22,6 +22,7 @@ import copy
 import glob
 import math
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,7 +151,7 @@ def fresh_position(skip_first: int) -> dict[str, Any]:
     return {"pass": 0, "file": 0, "row": None, "taken": 0, "skip": skip_first}
 
 
-class BlockWalk:
+class BlockWalk(ABC):
     """A source's files read block by block, pass after pass, each block turned into units (`_prepare`:
     a subclass's documents' ids, packed examples); `position` says exactly where it stands: the pass, the
     file, the first row of the block and the units of it taken. Nothing else is kept: a block is a pure
@@ -165,17 +166,17 @@ class BlockWalk:
         self._reader: tuple[int, int, Iterator[Any]] | None = None  # (file, next row, rows)
         self._block: tuple[tuple[int, int, int], list[Any], int] | None = None  # key, units, rows read
 
+    @abstractmethod
     def _open(self, file: str, start: int) -> Iterator[Any]:
         """The rows of `file` from row `start` on, read lazily."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _prepare(self, rows: list[Any], key: tuple[int, int, int]) -> list[Any]:
         """The units of the block of `rows` whose key is (pass, file, first row)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _exhausted(self) -> DataError:
         """The error when a whole pass gives no unit."""
-        raise NotImplementedError
 
     def permuted(self, items: list[Any], key: tuple[int, ...]) -> list[Any]:
         """`items` in the order a generator seeded by (seed, source, *key) draws (as given without shuffle)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
@@ -226,8 +226,14 @@ class Session:
             child.last_logits = None if self.last_logits is None else self.last_logits.clone()
             return child
 
+    def _refuse_state_op(self, what: str) -> None:
+        if holds_states(self.engine.pool):  # an RWKV engine: the state is the engine's, shared by its slots
+            raise SessionError(f"{self.id} holds its RWKV state in the engine's pool, where {what} does not reach "
+                               f"it; {what} a state with astrai_pl.inference.StateSession (StateSession.{what})")
+
     def blend(self, other, alpha: float):
         """Refused: interpolation needs a fixed-size point per context (an RWKV state, StateSession.blend)."""
+        self._refuse_state_op("blend")
         raise SessionError(
             f"{self.id} keeps its context as keys and values, one per token: two conversations of different "
             "lengths hold different numbers of them, and a mix of two tokens' K/V is no token's, so there is no "
@@ -236,13 +242,14 @@ class Session:
 
     def scale(self, component: str, factor: float, layers=None):
         """Refused: editing scales parts of a recurrent state (StateSession.scale); K/V have no such parts."""
+        self._refuse_state_op("scale")
         raise SessionError(
             f"{self.id} keeps keys and values per token, not a recurrent state with shifts and wkv sums; "
             "editing a component needs an RWKV session (StateSession.scale)"
         )
 
     def memory(self) -> SessionMemory:
-        if hasattr(self.engine.pool, "held"):  # a recurrent engine (state_pool.py): a held state, not pages
+        if holds_states(self.engine.pool):  # a recurrent engine (state_pool.py): a held state, not pages
             return self.engine.pool.session_memory(self)
         refs, ps = self.engine.pool.allocator.refs, self.engine.page_size
         shared = sum(1 for p in self.pages if refs[p] > 1)
@@ -257,7 +264,7 @@ class Session:
         with self.engine.lock:
             self._check_usable()
             pool = self.engine.pool
-            if hasattr(pool, "held"):
+            if holds_states(pool):
                 return pool.save_session(self, path, self.engine.fingerprint.get())
             slots = torch.tensor(
                 pool.slots(self.pages, 0, self.num_computed), dtype=torch.int64, device=pool.storage.k.device
@@ -279,7 +286,7 @@ def load_session(engine, path: str | Path, ttl: float | None = None) -> Session:
     """Read a saved session into `engine`'s pool (the engine registers it). Everything read is checked
     before a page is taken, and a failure after that gives every page back. The pages stay the
     session's own: K/V from a file never enter the radix cache, where other requests would use them."""
-    if hasattr(engine.pool, "held"):  # an RWKV engine: a state file (`StatePool.load_session`)
+    if holds_states(engine.pool):  # an RWKV engine: a state file (`StatePool.load_session`)
         return engine.pool.load_session(engine, path, ttl)
     tokens, computed, k, v, logits = _checked(engine, path, *_read(engine, path))
     session = Session(engine, ttl)
@@ -341,12 +348,19 @@ def _check_header(engine, path, metadata: dict[str, str]) -> None:
         )
 
 
+def file_refuser(path) -> Callable[[str], SessionError]:
+    """The error for a session file whose content does not hold together: `what`, then the fix."""
+    return lambda what: SessionError(f"{path}: {what}; the file is damaged or was edited, save the session again")
+
+
+def holds_states(pool) -> bool:
+    """Whether an engine's pool keeps one recurrent state per request (state_pool.StatePool), not K/V pages."""
+    return hasattr(pool, "held")
+
+
 def _checked(engine, path, metadata: dict[str, str], tensors: dict[str, torch.Tensor]):
     """tokens, positions to load, K, V and logits (or None), each checked against the engine."""
-
-    def refuse(what: str) -> SessionError:
-        return SessionError(f"{path}: {what}; the file is damaged or was edited, save the session again")
-
+    refuse = file_refuser(path)
     names = set(tensors)
     if not {"tokens", "k", "v"} <= names <= {"tokens", "k", "v", "last_logits"}:
         raise refuse(f"holds the tensors {sorted(names)}, a session has tokens, k, v and maybe last_logits")

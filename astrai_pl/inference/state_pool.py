@@ -29,7 +29,7 @@ from ..model.rwkv import NO_EXPONENT, LayerState, UnsupportedMixerError
 from .cache import PageAllocator
 from .pool import KVPool
 from .radix import RadixCache
-from .sessions import Session, SessionError, SessionMemory, _checked_tokens
+from .sessions import Session, SessionMemory, _checked_tokens, file_refuser
 from .state_files import read_state, write_state
 
 COMPONENTS = LayerState._fields  # ffn_shift, att_shift (activations' dtype), aa, bb, pp (float32)
@@ -108,7 +108,7 @@ class StatePool:
             "meaning on it. Fix: use the engine's and its sessions' public methods (a session saves its state "
             "with Session.save).")
 
-    storage = slots = allocate = allocator  # what engine sessions' K/V files read and write
+    storage = slots = allocate = allocator  # K/V pool names: scheduler or runner code reaching them fails clearly
 
     # -- slots ----------------------------------------------------------------------------------------------
     @property
@@ -187,10 +187,7 @@ class StatePool:
         cfg = engine.model.config
         layers, logits, computed, ids = read_state(path, engine.fingerprint.get(), cfg.num_hidden_layers,
                                                    cfg.hidden_size, cfg.vocab_size, with_token_ids=True)
-
-        def refuse(what: str) -> SessionError:
-            return SessionError(f"{path}: {what}; the file is damaged or was edited, save the session again")
-
+        refuse = file_refuser(path)
         tokens = _checked_tokens(engine, ids, refuse)
         if (logits is not None) != (0 < computed == len(tokens)):
             raise refuse(f"last_logits are {'present' if logits is not None else 'missing'} for {computed} "
@@ -199,7 +196,7 @@ class StatePool:
         session.tokens = tokens
         if computed:
             handle = next(self._handles)
-            self.held[handle] = [torch.cat(tensors).to(rows.dtype).to(rows.device)
+            self.held[handle] = [torch.cat(tensors).to(rows)
                                  for rows, tensors in zip(self.rows, zip(*layers))]
             session.pages, session.num_computed, session.kv_from_file = [handle], computed, True
         if logits is not None:

@@ -33,6 +33,7 @@ import torch
 from ..model.rwkv import RwkvState
 from .admission import check_params, params_per_prompt, prompt_token_ids, text_stream
 from .cache import CapacityError
+from .recurrent import is_recurrent
 from .request import Completion, Request, end_ids
 from .sampling import SamplingParams, sample
 from .sessions import FingerprintCache, SessionError
@@ -57,7 +58,7 @@ class StateSession:
     computed, the next-token logits."""
 
     def __init__(self, model, tokenizer=None, *, fingerprint: FingerprintCache | None = None):
-        if getattr(model.config, "mixer", None) != "rwkv":
+        if not is_recurrent(model):
             raise SessionError(f"StateSession needs a recurrent (rwkv) model, got model_type="
                                f"{model.config.model_type!r}; attention models keep sessions in the engine "
                                "(engine.session())")
@@ -154,7 +155,6 @@ class StateSession:
         """Write the state, its next-token logits and a header (model fingerprint, layout version, dtype, token
         count) to safetensors; float16 / bfloat16 compress it (state_files.py). The pending token is computed
         first, so the file's size depends only on the model."""
-        self.flush()
         write_state(path, self.layers(), self.last_logits, self.fingerprint.get(), self.num_tokens, dtype)
 
     @classmethod

@@ -51,19 +51,17 @@ class AttentionMask:
         """`branch_ids` (B, T): 0 for a row's trunk (a shared prefix), b > 0 for the tokens of branch b, each
         branch following the trunk in positions (`position_ids`, needed with branches) but not the other
         branches: a token sees the trunk before it and its own branch, causally."""
-        if branch_ids is not None:
-            causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=branch_ids.device).tril()
-            keys = branch_ids[:, None, :]
-            visible = causal & ((keys == 0) | (keys == branch_ids[:, :, None]))  # (B, T, T)
-            if document_ids is not None:
-                visible = visible & (document_ids[:, :, None] == document_ids[:, None, :])
-            return cls(visible.unsqueeze(1), seq_len, branch_ids.device, position_ids=position_ids)
         # One document per row is plain causal: no (B, T, T) mask, and SDPA takes its causal kernel.
-        if document_ids is None or bool((document_ids == document_ids[:, :1]).all()):
+        if branch_ids is None and (document_ids is None or bool((document_ids == document_ids[:, :1]).all())):
             return cls(None, seq_len, device)
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
-        same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
-        return cls((same_doc & causal).unsqueeze(1), seq_len, document_ids.device)
+        ids = branch_ids if branch_ids is not None else document_ids
+        visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=ids.device).tril()
+        if document_ids is not None:
+            visible = visible & (document_ids[:, :, None] == document_ids[:, None, :])  # (B, T, T)
+        if branch_ids is not None:
+            keys = branch_ids[:, None, :]
+            visible = visible & ((keys == 0) | (keys == branch_ids[:, :, None]))
+        return cls(visible.unsqueeze(1), seq_len, ids.device, position_ids=None if branch_ids is None else position_ids)
 
     def for_window(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer seeing the last `window` tokens (None: the whole context); None means causal.

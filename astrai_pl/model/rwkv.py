@@ -256,10 +256,12 @@ class RwkvBlock(nn.Module):
         self.attention = TimeMix(cfg)
         self.feed_forward = ChannelMix(cfg)
 
-    def forward(self, x, resets=None, state: LayerState | None = None, at: tuple[int, ...] = ()):
+    def forward(self, x, resets=None, state: LayerState | None = None, at: tuple[int, ...] = (),
+                before: torch.Tensor | None = None):
         """The block's output (B, T, H), its state after the last token (`state` is not changed) and, for each
         t in `at`, its state after the first t tokens (a LayerState of (B, len(at), H); None without `at`): the
-        sums from the recurrence run up to t, the shifts the ln1 / ln2 outputs at t − 1."""
+        sums from the recurrence run up to t, the shifts the ln1 / ln2 outputs at t − 1. `before`: `at` − 1 as
+        a tensor on x's device, when the caller made it once for every block."""
         if self.layer_idx == 0:
             x = self.pre_ln(x)
         rescaled = not self.training and self.rescale_every > 0
@@ -274,7 +276,7 @@ class RwkvBlock(nn.Module):
             x = x / 2
         snapshot = None
         if at:
-            before = torch.tensor(at, device=x.device) - 1
+            before = torch.tensor(at, device=x.device) - 1 if before is None else before
             snapshot = LayerState(channel.index_select(1, before), mixed.index_select(1, before), *points)
         return x, LayerState(ffn_shift, att_shift, aa, bb, pp), snapshot
 
@@ -317,8 +319,9 @@ def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, position_ids, document_id
         raise ValueError(f"RwkvState.at={at!r}: snapshot positions must be increasing token counts in 1.."
                          f"{x.shape[1]} (this chunk's length)")
     after, points = [], []
+    before = torch.tensor(at, device=x.device) - 1 if at else None  # one host-to-device copy for every block
     for block, state in zip(blocks, start):
-        x, state, snapshot = block(x, resets, state, at)
+        x, state, snapshot = block(x, resets, state, at, before)
         after.append(state)
         points.append(snapshot)
     if cache is not None:

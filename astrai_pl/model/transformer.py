@@ -143,15 +143,13 @@ class Transformer(nn.Module):
         local = rope if self.rotary_local is None else self.rotary_local(position_ids, x.dtype)
         mask = AttentionMask.build(document_ids, T, x.device, branch_ids, position_ids)
         aux, last = [], len(self.layers) - 1
+        queries = output_rows if cache is None else None  # the last block computes the wanted rows only
         for i, block in enumerate(self.layers):
             angles = local if self.config.is_sliding_layer(i) else rope
-            if i == last and output_rows is not None and cache is None:
-                x, block_aux = block(x, angles, mask, cache, output_rows)  # the wanted rows only
-            else:
-                x, block_aux = block(x, angles, mask, cache)
+            x, block_aux = block(x, angles, mask, cache, queries if i == last else None)
             if block_aux is not None:
                 aux.append(block_aux)
-        if output_rows is not None and cache is not None:
+        if cache is not None:
             x = keep_rows(x, output_rows)
         return self.norm(x), (torch.stack(aux).mean() if aux else None)
 

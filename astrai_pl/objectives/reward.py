@@ -27,7 +27,6 @@ from torch import nn
 
 from ..atomic import remove_path, replace_path
 from ..checkpoint import CheckpointError, read_checkpoint
-from ..data.packing import IGNORE_INDEX
 from ..model import Transformer
 from ..model.config import ConfigError
 from ..model.hf_config import ARCHITECTURES, ExportError
@@ -35,7 +34,7 @@ from ..model.lora import merge_lora
 from .options import check_reward_options
 from .orpo import PairObjective
 from .preference_losses import bradley_terry_loss
-from .shared_prompt import pair_hidden_states
+from .shared_prompt import last_scored_positions, pair_hidden_states
 
 SCORE_KEY = "score.weight"
 CAUSAL_CALLBACKS = ("HFExport", "SampleGenerations", "ModelArtifact")  # need an lm_head
@@ -46,13 +45,6 @@ def score_head(model: Transformer) -> nn.Linear:
     head = nn.Linear(model.config.hidden_size, 1, bias=False)
     nn.init.normal_(head.weight, 0.0, model.config.initializer_range)
     return head.to(device=model.embed_tokens.weight.device, dtype=model.embed_tokens.weight.dtype)
-
-
-def last_scored_positions(labels: torch.Tensor) -> torch.Tensor:
-    """Index of each sequence's last token: the last position whose label is not -100 (responses end a sequence,
-    padding follows them).  (B, T) → (B,)"""
-    positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
-    return torch.where(labels != IGNORE_INDEX, positions, -1).amax(1).clamp(min=0)
 
 
 def sequence_scores(model: Transformer, input_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

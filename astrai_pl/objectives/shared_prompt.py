@@ -36,11 +36,17 @@ class PairTree:
     gather: torch.Tensor  # (2B, T): the flat tree index holding each position of the (2B, T) layout
 
 
+def last_scored_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Index of each sequence's last token: the last position whose label is not -100 (responses end a sequence,
+    padding follows them).  (B, T) → (B,)"""
+    positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
+    return torch.where(labels != IGNORE_INDEX, positions, -1).amax(1).clamp(min=0)
+
+
 def needed_lengths(labels: torch.Tensor) -> torch.Tensor:
     """How many leading positions of each row the losses read: up to its last scored label (its score, or
     the state before it), at least one.  (B, T) → (B,)"""
-    positions = torch.arange(labels.shape[1], device=labels.device).expand_as(labels)
-    return torch.where(labels != IGNORE_INDEX, positions, 0).amax(1) + 1
+    return last_scored_positions(labels) + 1
 
 
 def pair_tree(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor,
@@ -67,12 +73,11 @@ def pair_tree(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Te
 
 
 def _work(cfg, tokens: int, attended_pairs: float) -> float:
-    """Multiply-adds of a forward, roughly: the projections per token and attention per visible pair."""
-    ffn = (cfg.intermediate_size if not cfg.num_experts else
-           cfg.num_experts_per_tok * cfg.moe_intermediate_size + (cfg.shared_expert_intermediate_size or 0))
-    per_token = cfg.hidden_size * (cfg.head_size * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-                                   + 3 * ffn)
-    return tokens * per_token + attended_pairs * 2 * cfg.num_attention_heads * cfg.head_size
+    """A forward's and backward's FLOPs in the blocks (`training_flops` without the output layer, which only
+    the scored positions reach, as many in either layout)."""
+    from ..callbacks.throughput import training_flops  # callbacks import the objectives
+
+    return training_flops(cfg, tokens, attended_pairs) - 6.0 * cfg.hidden_size * cfg.vocab_size * tokens
 
 
 def tree_pays(cfg, batch_size: int, seq_len: int, tree_width: int) -> bool:

@@ -307,3 +307,11 @@ def test_a_foreign_or_edited_state_file_is_refused_by_an_engine_session(exported
     with pytest.raises(SessionError, match="token_ids"):
         eng.load_session(short)
     assert eng.usage().held_states == 1  # only chat's: a refused file takes nothing
+
+
+def test_engine_sessions_on_rwkv_point_blending_and_editing_to_state_sessions(exported):
+    chat = engine(exported[0]).session()
+    with pytest.raises(SessionError, match="RWKV state in the engine's pool.*StateSession.blend"):
+        chat.blend(chat, 0.5)
+    with pytest.raises(SessionError, match="RWKV state in the engine's pool.*StateSession.scale"):
+        chat.scale("aa", 0.5)
