@@ -102,7 +102,7 @@ def pair_hidden_states(model: nn.Module, batch: dict[str, torch.Tensor],
     chosen, rejected = batch["chosen_input_ids"], batch["rejected_input_ids"]
     B, T = chosen.shape
     cfg = getattr(model, "config", None)
-    if _tree_usable(cfg, T):
+    if B and _tree_usable(cfg, T):
         tree = pair_tree(chosen, rejected, needed_lengths(batch["chosen_labels"]),
                          needed_lengths(batch["rejected_labels"]))
         N = tree.input_ids.shape[1]

@@ -131,3 +131,11 @@ def test_the_states_at_one_position_per_sequence_equal_the_full_states_there(pro
     with torch.no_grad():
         full, few = pair_hidden_states(model, batch), pair_hidden_states(model, batch, at=at)
     torch.testing.assert_close(few, full[torch.arange(4), at], rtol=1e-4, atol=1e-5)
+
+
+def test_an_empty_batch_gives_empty_states():
+    model = Transformer(ModelConfig.from_name("debug")).eval()
+    batch = collate_pairs(pair_rows([40], [8], [8]), pad_id=0, max_seq_len=64)
+    empty = {k: v[:0] for k, v in batch.items()}
+    with torch.no_grad():
+        assert pair_hidden_states(model, empty).shape == (0, 48, model.config.hidden_size)
