@@ -24,6 +24,7 @@ import torch
 
 from ..data.packing import IGNORE_INDEX
 from ..model import ModelConfig
+from ..model.flops import training_flops
 
 # Dense (no sparsity) peak FLOP/s per device from vendor datasheets: bf16/fp16 tensor cores, and fp32.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -43,21 +44,6 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 
 # -- FLOPs from the config ------------------------------------------------------------------------------
-def active_matmul_params(cfg: ModelConfig) -> int:
-    """Weights one token multiplies through in a forward pass (routed experts: only the top-k)."""
-    h, d = cfg.hidden_size, cfg.head_size
-    attn = h * d * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + cfg.num_attention_heads * d * h
-    dense = 3 * h * cfg.intermediate_size
-    moe = (
-        cfg.num_experts * h
-        + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
-        + 3 * h * cfg.shared_expert_intermediate_size
-        + (h if cfg.shared_expert_gate else 0)
-    )
-    blocks = sum(attn + (moe if cfg.is_moe_layer(i) else dense) for i in range(cfg.num_hidden_layers))
-    return blocks + h * cfg.vocab_size
-
-
 def real_token_mask(batch: dict[str, torch.Tensor], pad_id: int | None) -> torch.Tensor:
     """(B, T) True where a token is data: `attention_mask` if given, else all but the trailing padding
     (pad_id with an ignored label) that collate functions append."""
@@ -85,12 +71,6 @@ def attended_pairs(batch: dict[str, torch.Tensor], real: torch.Tensor) -> torch.
         starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
         position = index - torch.cummax(torch.where(starts, index, 0), dim=1).values
     return ((position + 1) * real).sum()
-
-
-def training_flops(cfg: ModelConfig, tokens, pairs):
-    """Forward + backward FLOPs for `tokens` real tokens attending over `pairs` (query, key) pairs."""
-    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_size * pairs
-    return 6.0 * active_matmul_params(cfg) * tokens + attention
 
 
 def batch_counts(cfg: ModelConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -10,7 +10,7 @@ the same numbers as the plain forward up to float rounding, the trunk's gradient
 
 A 128-token prompt with two 128-token responses is 384 tokens instead of 512. The tree's rows attend through an
 explicit mask over up to 2T keys, where the plain batch takes the causal kernel, so the tree is used only when
-an estimate of the forward's multiply-adds (projections per token, attention per visible query-key pair)
+the forward and backward FLOPs in the blocks (`model.flops.training_flops` less the output layer: projections per token, attention per visible query-key pair)
 falls by at least `MIN_SAVING`; short shared prompts, RWKV and a dynamic RoPE stretched past its base length
 keep the plain batch.
 """
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..model.flops import training_flops
 from .logprobs import IGNORE_INDEX
 
 MIN_SAVING = 0.1  # the share of the estimated forward work the tree must save to be used
@@ -75,8 +76,6 @@ def pair_tree(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Te
 def _work(cfg, tokens: int, attended_pairs: float) -> float:
     """A forward's and backward's FLOPs in the blocks (`training_flops` without the output layer, which only
     the scored positions reach, as many in either layout)."""
-    from ..callbacks.throughput import training_flops  # callbacks import the objectives
-
     return training_flops(cfg, tokens, attended_pairs) - 6.0 * cfg.hidden_size * cfg.vocab_size * tokens
 
 

@@ -3,14 +3,9 @@ import torch
 from fit_runs import quiet_trainer
 
 from astrai_pl.callbacks import Throughput
-from astrai_pl.callbacks.throughput import (
-    active_matmul_params,
-    attended_pairs,
-    real_token_mask,
-    table_peak_flops,
-    training_flops,
-)
+from astrai_pl.callbacks.throughput import attended_pairs, real_token_mask, table_peak_flops
 from astrai_pl.model import ModelConfig
+from astrai_pl.model.flops import active_matmul_params, training_flops
 from astrai_pl.objectives import Pretrain
 
 
