@@ -10,9 +10,9 @@ the same numbers as the plain forward up to float rounding, the trunk's gradient
 
 A 128-token prompt with two 128-token responses is 384 tokens instead of 512. The tree's rows attend through an
 explicit mask over up to 2T keys, where the plain batch takes the causal kernel, so the tree is used only when
-the forward and backward FLOPs in the blocks (`model.flops.training_flops` less the output layer: projections per token, attention per visible query-key pair)
-falls by at least `MIN_SAVING`; short shared prompts, RWKV and a dynamic RoPE stretched past its base length
-keep the plain batch.
+the forward and backward FLOPs in the blocks (`model.flops.training_flops` less the output layer: projections
+per token, attention per visible query-key pair) fall by at least `MIN_SAVING`; short shared prompts, RWKV and
+a dynamic RoPE stretched past its base length keep the plain batch.
 """
 
 from __future__ import annotations
