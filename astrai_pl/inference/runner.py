@@ -12,6 +12,7 @@ import torch
 
 from ..model.layers import InputMajorWeights, Linear
 from .backends import StepView, model_features, select_backend
+from .cpu_decode import CpuDecode
 from .pool import KVPool
 from .request import Request
 from .sampling import scored
@@ -26,6 +27,8 @@ class ModelRunner:
         self.scratch: dict = {}  # attention backends' state between steps
         self.weights = InputMajorWeights() if device.type == "cpu" else None
         self.needs = model_features(model.config)  # what the attention backend must do for this model
+        # decode steps of a Llama-shaped model on CPU: one kernel call per layer (cpu_decode.py)
+        self.cpu_decode = CpuDecode.for_model(model) if device.type == "cpu" else None
 
     def forward(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
         """Compute `n` tokens of each planned request; the requests now ready to sample and their logits.
@@ -57,7 +60,11 @@ class ModelRunner:
             lengths["sequence_lengths"] = torch.tensor([len(req.tokens) for req, n in plan for _ in range(n)],
                                                        device=self.device)[None]
         with Linear.input_major(self.weights):
-            hidden, _ = self.model.hidden_states(input_ids, position_ids=position_ids, cache=view, **lengths)
+            hidden = None
+            if self.cpu_decode is not None and not lengths:
+                hidden = self.cpu_decode.hidden_states(input_ids, position_ids, view, self.weights)
+            if hidden is None:
+                hidden, _ = self.model.hidden_states(input_ids, position_ids=position_ids, cache=view, **lengths)
             ready, sample_at, end, scored_rows = [], [], 0, []
             for req, n in plan:
                 at = end - req.num_computed

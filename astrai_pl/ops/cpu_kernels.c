@@ -16,20 +16,22 @@
 #include <string.h>
 
 /* y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) per row; rstd is kept for the backward. */
+/* One row; returns its rstd. Not inlined: the fused decode layer calls the same code, so its rows come out
+ * bit for bit as this kernel's. */
+__attribute__((noinline)) static float rms_norm_row(const float *xr, const float *w, float *yr, long dim, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (long i = 0; i < dim; ++i) ss += xr[i] * xr[i];
+    const float s = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (long i = 0; i < dim; ++i) yr[i] = xr[i] * s * w[i];
+    return s;
+}
+
 void rms_norm_forward(const float *x, const float *w, float *y, float *rstd, long rows, long dim, float eps,
                       int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long r = 0; r < rows; ++r) {
-        const float *xr = x + r * dim;
-        float *yr = y + r * dim;
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (long i = 0; i < dim; ++i) ss += xr[i] * xr[i];
-        const float s = 1.0f / sqrtf(ss / (float)dim + eps);
-        rstd[r] = s;
-#pragma omp simd
-        for (long i = 0; i < dim; ++i) yr[i] = xr[i] * s * w[i];
-    }
+    for (long r = 0; r < rows; ++r) rstd[r] = rms_norm_row(x + r * dim, w, y + r * dim, dim, eps);
 }
 
 /* gx = rstd * (g*w - xhat * mean(g*w*xhat)) with xhat = x * rstd; gw_parts[t] = sum over thread t's rows
@@ -62,30 +64,35 @@ void rms_norm_backward(const float *x, const float *w, const float *rstd, const 
  *   forward   out = x * cos + rotate_half(x) * sin,      rotate_half(x) = [-x2, x1]
  *   backward  out = x * cos + rotate_half^T(x * sin),    rotate_half^T(z) = [z2, -z1]
  * (the backward of a rotation is the rotation back). `x_stride` is the distance between rows of x. */
-void rotary(const float *x, long x_stride, const float *cos, const float *sin, float *out, long rows, long heads,
-            long dim, int backward, int threads) {
+/* One row's heads (x_row's heads `dim` apart, out_row dense). Not inlined: the fused decode layer calls the same
+ * code (see rms_norm_row). */
+__attribute__((noinline)) static void rotary_row(const float *x_row, const float *c, const float *s, float *out_row,
+                                                 long heads, long dim, int backward) {
     const long half = dim / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long r = 0; r < rows; ++r) {
-        const float *c = cos + r * dim, *s = sin + r * dim;
-        for (long h = 0; h < heads; ++h) {
-            const float *xr = x + r * x_stride + h * dim;
-            float *o = out + (r * heads + h) * dim;
-            if (backward) {
+    for (long h = 0; h < heads; ++h) {
+        const float *xr = x_row + h * dim;
+        float *o = out_row + h * dim;
+        if (backward) {
 #pragma omp simd
-                for (long i = 0; i < half; ++i) {
-                    o[i] = xr[i] * c[i] + xr[i + half] * s[i + half];
-                    o[i + half] = xr[i + half] * c[i + half] - xr[i] * s[i];
-                }
-            } else {
+            for (long i = 0; i < half; ++i) {
+                o[i] = xr[i] * c[i] + xr[i + half] * s[i + half];
+                o[i + half] = xr[i + half] * c[i + half] - xr[i] * s[i];
+            }
+        } else {
 #pragma omp simd
-                for (long i = 0; i < half; ++i) {
-                    o[i] = xr[i] * c[i] - xr[i + half] * s[i];
-                    o[i + half] = xr[i + half] * c[i + half] + xr[i] * s[i + half];
-                }
+            for (long i = 0; i < half; ++i) {
+                o[i] = xr[i] * c[i] - xr[i + half] * s[i];
+                o[i + half] = xr[i + half] * c[i + half] + xr[i] * s[i + half];
             }
         }
     }
+}
+
+void rotary(const float *x, long x_stride, const float *cos, const float *sin, float *out, long rows, long heads,
+            long dim, int backward, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < rows; ++r)
+        rotary_row(x + r * x_stride, cos + r * dim, sin + r * dim, out + r * heads * dim, heads, dim, backward);
 }
 
 /* ---- matmul of a few rows against a weight packed in 64-column panels -------------------------------
@@ -173,14 +180,16 @@ static const tile_fn TILES[TILE_ROWS + 1] = {0, tile1_64, tile2_32, tile3_16, ti
 static const long TILE_WIDTH[TILE_ROWS + 1] = {0, 64, 32, 16, 16, 16, 16};
 #endif
 
-void panel_matmul(const float *x, long ldx, const float *panels, float *y, long M, long K, long N, int threads) {
-    if (M <= 0 || K <= 0 || N <= 0) return;
+/* The work of panel_matmul, shared out among the threads of the parallel region it is called from (every
+ * thread calls it; they meet at the end). */
+static void panel_matmul_shared(const float *x, long ldx, const float *panels, float *y, long M, long K, long N) {
     const long num_panels = (N + PANEL - 1) / PANEL, panel_size = (long)PANEL * K;
     const long passes = (M + TILE_ROWS - 1) / TILE_ROWS;
     /* Runs of panels handed out as threads ask (a thread whose core is busy with another process takes
      * fewer), each long enough that the next panel a thread prefetches is mostly its own. */
+    const long threads = omp_get_num_threads();
     const long run = num_panels / (8L * threads) > 1 ? num_panels / (8L * threads) : 1;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, run)
+#pragma omp for schedule(dynamic, run)
     for (long p = 0; p < num_panels; ++p) {
         const float *wp = panels + p * panel_size;
         const long width = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
@@ -206,6 +215,12 @@ void panel_matmul(const float *x, long ldx, const float *panels, float *y, long 
             }
         }
     }
+}
+
+void panel_matmul(const float *x, long ldx, const float *panels, float *y, long M, long K, long N, int threads) {
+    if (M <= 0 || K <= 0 || N <= 0) return;
+#pragma omp parallel num_threads(threads)
+    panel_matmul_shared(x, ldx, panels, y, M, K, N);
 }
 
 /* Write W (rows, K) into the panels as their columns col0…col0+rows-1 (joined weights go side by side). */
@@ -243,16 +258,17 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
+/* One row (see rms_norm_row for why not inlined). */
+__attribute__((noinline)) static void swiglu_row(const float *g, const float *u, float *o, long cols) {
+#pragma omp simd
+    for (long i = 0; i < cols; ++i) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+}
+
 /* out (rows, cols) = gate * sigmoid(gate) * up; gate and up rows `g_stride` / `u_stride` floats apart. */
 void swiglu_forward(const float *gate, long g_stride, const float *up, long u_stride, float *out, long rows,
                     long cols, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long r = 0; r < rows; ++r) {
-        const float *g = gate + r * g_stride, *u = up + r * u_stride;
-        float *o = out + r * cols;
-#pragma omp simd
-        for (long i = 0; i < cols; ++i) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
-    }
+    for (long r = 0; r < rows; ++r) swiglu_row(gate + r * g_stride, up + r * u_stride, out + r * cols, cols);
 }
 
 /* d_gate = d·up·s·(1 + gate·(1 - s)), d_up = d·gate·s with s = sigmoid(gate); every tensor (rows, cols)
@@ -366,28 +382,89 @@ static void softcap_in_place(float *s, long L, float cap) {
 
 /* window > 0: each query sees only the last `window` of its kv_lens[i] keys (a sliding-window layer), and only
  * those are read; cap > 0: the scores are soft-capped (cap · tanh(score / cap)) before the softmax. */
+/* The work of paged_decode_attention, shared out among the threads of the region it is called from. */
+static void decode_attention_shared(const float *q, const float *k_pool, const float *v_pool, const int32_t *table,
+                                    long table_stride, const int64_t *rows, const int32_t *kv_lens, float *out, long n,
+                                    long hq, long hkv, long dim, float scale, long max_len, long window, float cap) {
+    const long G = hq / hkv, items = n * hkv, stride = max_len + 8;
+    float *scores = malloc(sizeof(float) * (size_t)(G * stride));
+#pragma omp for schedule(dynamic, 1)
+    for (long item = 0; item < items; ++item) {
+        const long h = item / n, i = item % n, start = window > 0 && kv_lens[i] > window ? kv_lens[i] - window : 0;
+        const long L = kv_lens[i] - start;
+        const int32_t *slots = table + rows[i] * table_stride + start;
+        const float *qh = q + (i * hq + h * G) * dim;
+        decode_scores(qh, G, k_pool, slots, L, hkv, h, dim, scale, scores, stride);
+        for (long g = 0; g < G; ++g) {
+            if (cap > 0.0f) softcap_in_place(scores + g * stride, L, cap);
+            softmax_in_place(scores + g * stride, L);
+            decode_values(scores + g * stride, v_pool, slots, L, hkv, h, dim, out + (i * hq + h * G + g) * dim);
+        }
+    }
+    free(scores);
+}
+
 void paged_decode_attention(const float *q, const float *k_pool, const float *v_pool, const int32_t *table,
                             long table_stride, const int64_t *rows, const int32_t *kv_lens, float *out, long n,
                             long hq, long hkv, long dim, float scale, long max_len, long window, float cap,
                             int threads) {
-    const long G = hq / hkv, items = n * hkv, stride = max_len + 8;
+#pragma omp parallel num_threads(threads)
+    decode_attention_shared(q, k_pool, v_pool, table, table_stride, rows, kv_lens, out, n, hq, hkv, dim, scale, max_len,
+                            window, cap);
+}
+
+/* ---- one decoder layer of a decode step, in one call ------------------------------------------------
+ * The n rows of x (n, H) are n requests' newest tokens, one each (a decode step). With y = x the layer's input:
+ *   h = rms_norm(x, norm1); q, k, v = h @ [Wq Wk Wv]ᵀ (joined panels); q, k = rotary(q, k) at each row's
+ *   cos/sin (n, D); k, v stored at slot out_slots[r] of this layer's pools (slots, hkv, D); a = attention of
+ *   each q over its request's kv_lens[r] keys (paged_decode_attention); x += a @ Woᵀ;
+ *   h = rms_norm(x, norm2); g, u = h @ [Wg Wu]ᵀ; x += (silu(g) · u) @ Wdownᵀ
+ * — a Llama block as the module path runs it on CPU, through the same kernels (and the same row functions),
+ * so x comes out bit for bit as that path's. What the module path runs as ten ctypes calls, a few dozen
+ * PyTorch ops and ten OpenMP regions (each waking the sleeping threads) is one region here, the threads
+ * meeting at a barrier between phases. `work` holds the intermediates: n · (H + (hq + 2·hkv)·D + hq·D +
+ * hkv·D + hq·D + H + 2·inter + inter + H) floats. No bias, no q/k norm, no window, no soft-cap. */
+void decode_layer(float *x, long n, long H, const float *norm1, const float *norm2, float eps, const float *qkv_panels,
+                  const float *o_panels, const float *gu_panels, const float *down_panels, long hq, long hkv, long dim,
+                  long inter, const float *cos, const float *sin, float *k_pool, float *v_pool, const int64_t *out_slots,
+                  const int32_t *table, long table_stride, const int64_t *rows, const int32_t *kv_lens, long max_len,
+                  float scale, float *work, int threads) {
+    const long qkv_cols = (hq + 2 * hkv) * dim, kv_row = hkv * dim;
+    float *h = work, *qkv = h + n * H, *q = qkv + n * qkv_cols, *k = q + n * hq * dim, *att = k + n * kv_row;
+    float *o = att + n * hq * dim, *gu = o + n * H, *act = gu + n * 2 * inter, *down = act + n * inter;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(G * stride));
-#pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < items; ++item) {
-            const long h = item / n, i = item % n, start = window > 0 && kv_lens[i] > window ? kv_lens[i] - window : 0;
-            const long L = kv_lens[i] - start;
-            const int32_t *slots = table + rows[i] * table_stride + start;
-            const float *qh = q + (i * hq + h * G) * dim;
-            decode_scores(qh, G, k_pool, slots, L, hkv, h, dim, scale, scores, stride);
-            for (long g = 0; g < G; ++g) {
-                if (cap > 0.0f) softcap_in_place(scores + g * stride, L, cap);
-                softmax_in_place(scores + g * stride, L);
-                decode_values(scores + g * stride, v_pool, slots, L, hkv, h, dim, out + (i * hq + h * G + g) * dim);
-            }
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; ++r) rms_norm_row(x + r * H, norm1, h + r * H, H, eps);
+        panel_matmul_shared(h, H, qkv_panels, qkv, n, H, qkv_cols);
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; ++r) {
+            const float *row = qkv + r * qkv_cols;
+            rotary_row(row, cos + r * dim, sin + r * dim, q + r * hq * dim, hq, dim, 0);
+            rotary_row(row + hq * dim, cos + r * dim, sin + r * dim, k + r * kv_row, hkv, dim, 0);
+            memcpy(k_pool + out_slots[r] * kv_row, k + r * kv_row, sizeof(float) * kv_row);
+            memcpy(v_pool + out_slots[r] * kv_row, row + (hq + hkv) * dim, sizeof(float) * kv_row);
         }
-        free(scores);
+        decode_attention_shared(q, k_pool, v_pool, table, table_stride, rows, kv_lens, att, n, hq, hkv, dim, scale,
+                                max_len, 0, 0.0f);
+        panel_matmul_shared(att, hq * dim, o_panels, o, n, hq * dim, H);
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; ++r) {
+            float *xr = x + r * H;
+            const float *orow = o + r * H;
+            for (long i = 0; i < H; ++i) xr[i] += orow[i];
+            rms_norm_row(xr, norm2, h + r * H, H, eps);
+        }
+        panel_matmul_shared(h, H, gu_panels, gu, n, H, 2 * inter);
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; ++r) swiglu_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, act + r * inter, inter);
+        panel_matmul_shared(act, inter, down_panels, down, n, inter, H);
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; ++r) {
+            float *xr = x + r * H;
+            const float *drow = down + r * H;
+            for (long i = 0; i < H; ++i) xr[i] += drow[i];
+        }
     }
 }
 

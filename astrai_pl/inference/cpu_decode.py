@@ -1,0 +1,121 @@
+"""A decode step of a Llama-shaped model on CPU: one kernel call per layer instead of the module path.
+
+A decode step's forward on CPU spends most of its time in the fused kernels (`panel_matmul`, the paged decode
+attention, RMSNorm, RoPE, SwiGLU), but between them sit a few dozen PyTorch ops, the modules' Python and ten
+OpenMP regions per layer, each waking threads that went to sleep (OMP_WAIT_POLICY=PASSIVE). `cpu_ops.
+decode_layer` runs the whole block through the same kernels in one region, so a step is one call per layer
+plus the embedding, the rotary angles and the final norm. Its rows come out bit for bit as the module path's
+(tests/inference/test_cpu_decode.py compares every logit): the same kernels in the same order on the same
+weight copies (`InputMajorWeights`), only the glue is gone.
+
+It takes a step when every request in it decodes one token (a step with a prefill chunk runs the modules),
+there are at most `PANEL_MAX_ROWS` of them (above that the module path multiplies by the weights as stored),
+the decode attention reads the pool through the CPU kernel, and the model is a plain Llama block stack:
+RMSNorm, q/k/v/o without bias or q/k norm, full attention at the default scale, no soft-cap, a SwiGLU MLP,
+plain `Linear` projections (no adapter, no quantised weight) and RoPE over whole heads by position alone.
+Anything else (Gemma, Qwen2's biases, Qwen3's q/k norm, sliding windows, MoE, RWKV, LoRA, longrope, Phi's
+partial rotary) runs the modules, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.attention import Attention
+from ..model.layers import InputMajorWeights, Linear, RMSNorm, SwiGLU
+from ..model.transformer import Block
+from ..ops import cpu as cpu_ops
+from .step_view import StepView
+
+
+def unsupported(model) -> str | None:
+    """Why `model` cannot take the one-call decode layer (None: it can)."""
+    cfg = model.config
+    if cfg.mixer == "rwkv" or cfg.is_gemma or cfg.post_norm:
+        return "not a plain Llama block stack"
+    rotary = getattr(model, "rotary", None)
+    if rotary is None or rotary.per_sequence or model.rotary_local is not None:
+        return "its rotary angles depend on more than the position"
+    if cfg.rotary_dim != cfg.head_size:
+        return "a partial rotary embedding"
+    if type(model.norm) is not RMSNorm or cfg.head_size % 8:
+        return "its final norm or head width"
+    for block in model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        if type(block) is not Block or type(attn) is not Attention or type(mlp) is not SwiGLU:
+            return "a block that is not attention + SwiGLU"
+        if type(block.input_layernorm) is not RMSNorm or type(block.post_attention_layernorm) is not RMSNorm:
+            return "a norm that is not RMSNorm"
+        if block.input_layernorm.eps != block.post_attention_layernorm.eps:
+            return "two norms of one block with different eps"
+        if attn.q_norm is not None or attn.window is not None or attn.scale is not None or attn.softcap is not None:
+            return "q/k norms, a sliding window, a custom scale or soft-capping"
+    return None
+
+
+class CpuDecode:
+    """The decode steps of one model, a kernel call per layer (see the module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        cfg = model.config
+        self.heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size,
+                      cfg.intermediate_size)
+        self.work: torch.Tensor | None = None
+
+    @classmethod
+    def for_model(cls, model) -> CpuDecode | None:
+        return cls(model) if unsupported(model) is None else None
+
+    def _panels(self, weights: InputMajorWeights) -> list[tuple] | None:
+        """Each layer's (norm weights, eps, packed q/k/v, o, gate/up, down), or None where one is not packed
+        for the kernel (an adapter, a quantised or non-float32 weight)."""
+        out = []
+        for block in self.model.layers:
+            attn, mlp = block.self_attn, block.mlp
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            if any(type(lin) is not Linear or lin.bias is not None for lin in linears):
+                return None
+            panels = (weights.get(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+                      weights.get(attn.o_proj.weight), weights.get(mlp.gate_proj.weight, mlp.up_proj.weight),
+                      weights.get(mlp.down_proj.weight))
+            if any(p is None or p.dim() != 3 for p in panels):
+                return None
+            norms = (block.input_layernorm.weight, block.post_attention_layernorm.weight)
+            out.append((norms, block.input_layernorm.eps, panels))
+        return out
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, view: StepView,
+                      weights: InputMajorWeights | None) -> torch.Tensor | None:
+        """The final normed hidden states (1, n, hidden) of a decode step, or None when this step is not one
+        this path takes (nothing has been computed or written then)."""
+        n = input_ids.shape[1]
+        if (weights is None or torch.is_grad_enabled() or view.num_decode != n or not 0 < n <= cpu_ops.PANEL_MAX_ROWS
+                or not cpu_ops.paged_decode_attention_usable(view.storage.k[0, :1], view.storage.k[0],
+                                                             view.storage.v[0])):
+            return None
+        layers = self._panels(weights)
+        if layers is None:
+            return None
+        model = self.model
+        x = model.embed_tokens(input_ids)  # (1, n, hidden), a fresh tensor: the layers write it in place
+        x2 = x.view(n, -1)
+        if not cpu_ops.panel_matmul_usable(x) or not all(
+                cpu_ops.rms_norm_usable(x2, w) and w.is_contiguous() for norms, _, _ in layers for w in norms):
+            return None
+        cos, sin = (t.reshape(n, -1).contiguous() for t in model.rotary(position_ids, x.dtype))
+        hidden, hq, hkv, D, inter = self.shape
+        if cos.shape[1] != D:
+            return None
+        size = cpu_ops.decode_layer_work(n, hidden, hq, hkv, D, inter)
+        if self.work is None or self.work.numel() < size:
+            self.work = x.new_empty(size)
+        kv_lens = view.kv_lens
+        lens = torch.tensor(kv_lens, dtype=torch.int32)
+        rows = view.rows.contiguous()
+        k, v = view.storage.k, view.storage.v
+        for i, (norms, eps, panels) in enumerate(layers):
+            cpu_ops.decode_layer(x2, norms, eps, panels, self.heads, inter, cos, sin, k[i], v[i], view.out_slots,
+                                 view.req_to_token, rows, lens, max(kv_lens), self.work)
+        return model.norm(x)
