@@ -1,10 +1,11 @@
 """Why the engine multiplies by copies of the weights on CPU: the small preset's projections, timed.
 
 For a decode step's few rows (M = 8, 16, 32, 64) and a prefill chunk (M = 1024), each projection of the
-`small` preset is timed four ways: `F.linear(x, W)` against the stored (out, in) weight, `x @ Wt`
+`small` preset is timed five ways: `F.linear(x, W)` against the stored (out, in) weight, `x @ Wt`
 against a contiguous (in, out) copy, one `x @ [Wq Wk Wv]t` against the joined copy (q/k/v, gate/up),
-and the fused CPU kernel `panel_matmul` against the joined copy packed in 64-column panels (where the
-kernels build; `astrai_pl.ops.cpu`). Each repetition runs the projection of all 8 layers in turn, as a
+the fused CPU kernel `panel_matmul` against the joined copy packed in 64-column panels (where the
+kernels build; `astrai_pl.ops.cpu`), and oneDNN's matmul on the stored weight (where PyTorch has it: what
+the engine runs for a prefill chunk's rows). Each repetition runs the projection of all 8 layers in turn, as a
 forward does, so the weights come from memory rather than from a cache that one layer's weights would
 fit in; the time is per projection. Medians of interleaved repetitions, 2 threads. The inference docs
 quote this script.
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import setup, small_model  # noqa: E402
 
+from astrai_pl.model import layers as layers_module  # noqa: E402
 from astrai_pl.ops import cpu  # noqa: E402
 
 
@@ -50,6 +52,9 @@ def layouts(rows: int, per_layer: list[list]) -> dict:
     ways = {"linear": lambda: [[F.linear(x, lin.weight) for lin in linears] for linears in per_layer],
             "copy": lambda: [[x @ c for c in cs] for cs in copies],
             "joined": lambda: [x @ j for j in joined]}
+    if layers_module._ONEDNN:  # what the engine uses for a prefill chunk's rows (layers._as_stored)
+        ways["onednn"] = lambda: [[torch.ops.mkldnn._linear_pointwise(x, lin.weight, None, "none", [], "")
+                                   for lin in linears] for linears in per_layer]
     if cpu.available():
         out = sum(lin.out_features for lin in per_layer[0])
         panels = [cpu.pack_panels([lin.weight for lin in linears],
@@ -74,7 +79,7 @@ def main() -> None:
     if not cpu.available():
         print(f"(no panel kernel here: {cpu.unavailable_reason()})")
     print(f"{'rows':>5} {'projection':>10} {'F.linear (out, in)':>19} {'x @ (in, out)':>14} {'joined':>8} "
-          f"{'panels':>8} {'best vs F.linear':>17}")
+          f"{'panels':>8} {'oneDNN':>8} {'best vs F.linear':>17}")
     with torch.no_grad():
         for m in args.rows:
             for name, per_layer in groups.items():
@@ -84,7 +89,8 @@ def main() -> None:
                 joined = t["joined"] if len(per_layer[0]) > 1 else float("nan")
                 best = min(v for k, v in t.items() if k != "linear" and (k != "joined" or len(per_layer[0]) > 1))
                 print(f"{m:>5} {name:>10} {t['linear']:>16.0f} us {t['copy']:>11.0f} us {joined:>5.0f} us "
-                      f"{t.get('panels', float('nan')):>5.0f} us {t['linear'] / best:>16.2f}x")
+                      f"{t.get('panels', float('nan')):>5.0f} us {t.get('onednn', float('nan')):>5.0f} us "
+                      f"{t['linear'] / best:>16.2f}x")
 
 
 if __name__ == "__main__":
