@@ -360,12 +360,49 @@ static void decode_values(const float *p, const float *v_pool, const int32_t *sl
     for (long c0 = 0; c0 < dim; c0 += 64) {
         const long width = dim - c0 < 64 ? (dim - c0) / 8 : 8;
         vec8 acc[8] = {{0}};
-        for (long t = 0; t < L; ++t) {
-            const float *vp = v_pool + ((long)slots[t] * hkv + h) * dim + c0;
-            const float w = p[t];
-            _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) if (c < width) acc[c] += w * *(const vec8 *)(vp + 8 * c);
+        if (width == 8) { /* all 64 columns: straight-line FMAs (a check per column cost a branch per FMA) */
+            for (long t = 0; t < L; ++t) {
+                const float *vp = v_pool + ((long)slots[t] * hkv + h) * dim + c0;
+                const float w = p[t];
+                _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) acc[c] += w * *(const vec8 *)(vp + 8 * c);
+            }
+        } else {
+            for (long t = 0; t < L; ++t) {
+                const float *vp = v_pool + ((long)slots[t] * hkv + h) * dim + c0;
+                const float w = p[t];
+                for (long c = 0; c < width; ++c) acc[c] += w * *(const vec8 *)(vp + 8 * c);
+            }
         }
         for (long c = 0; c < width; ++c) memcpy(out + c0 + 8 * c, &acc[c], sizeof(vec8));
+    }
+}
+
+/* out (G, dim) = decode_values of the G query heads of one kv head (their probabilities G rows `stride` apart).
+ * With 64 columns the keys go in blocks of V_BLOCK, every head's sums carried through `out` from block to block
+ * (the same additions in the same order): a block's values, read from L2 for the first head, come from L1 for
+ * the others — head by head over all the keys, each head read every value from L2 again, at twice the bytes per
+ * cycle L2 gives. */
+#define V_BLOCK 16
+static void decode_values_heads(const float *p, long G, long stride, const float *v_pool, const int32_t *slots, long L,
+                                long hkv, long h, long dim, float *out) {
+    if (dim != 64) {
+        for (long g = 0; g < G; ++g) decode_values(p + g * stride, v_pool, slots, L, hkv, h, dim, out + g * dim);
+        return;
+    }
+    for (long t0 = 0; t0 < L; t0 += V_BLOCK) {
+        const long t1 = L - t0 < V_BLOCK ? L : t0 + V_BLOCK;
+        for (long g = 0; g < G; ++g) {
+            float *o = out + g * 64;
+            const float *pg = p + g * stride;
+            vec8 acc[8];
+            _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) acc[c] = t0 ? *(const vec8 *)(o + 8 * c) : (vec8){0};
+            for (long t = t0; t < t1; ++t) {
+                const float *vp = v_pool + ((long)slots[t] * hkv + h) * 64;
+                const float w = pg[t];
+                _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) acc[c] += w * *(const vec8 *)(vp + 8 * c);
+            }
+            _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) *(vec8 *)(o + 8 * c) = acc[c];
+        }
     }
 }
 
@@ -398,8 +435,8 @@ static void decode_attention_shared(const float *q, const float *k_pool, const f
         for (long g = 0; g < G; ++g) {
             if (cap > 0.0f) softcap_in_place(scores + g * stride, L, cap);
             softmax_in_place(scores + g * stride, L);
-            decode_values(scores + g * stride, v_pool, slots, L, hkv, h, dim, out + (i * hq + h * G + g) * dim);
         }
+        decode_values_heads(scores, G, stride, v_pool, slots, L, hkv, h, dim, out + (i * hq + h * G) * dim);
     }
     free(scores);
 }

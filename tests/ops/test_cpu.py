@@ -238,7 +238,7 @@ def test_panel_matmul_matches_linear_for_every_tile_and_a_ragged_last_panel(rows
 
 @needs_kernels
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"),
-                         [(8, 2, 64), (9, 3, 64), (4, 4, 24), (12, 2, 40)])  # G = 4, 3, 1, 6 (4 + 2)
+                         [(8, 2, 64), (9, 3, 64), (4, 4, 24), (12, 2, 40), (4, 2, 128)])  # G = 4, 3, 1, 6, 2
 def test_paged_decode_attention_matches_the_reference(num_q_heads, num_kv_heads, head_dim):
     from paged_cases import paged_case
 
