@@ -6,7 +6,8 @@ by length so padding at most doubles their work. Grouped-query heads are folded 
 `enable_gqa` is much slower on CPU with an explicit mask). A group of whole prompts (every request starting
 at position 0, no window, no soft-cap) needs no mask: SDPA's own causal attention with `enable_gqa` skips
 the keys after each query, half the work of the masked call (0.10 s against 0.20 s of CPU for 8 prompts of
-700 tokens, 8 query and 2 key/value heads of 64).
+700 tokens, 8 query and 2 key/value heads of 64). Such prompts are attended one by one over the K/V this step
+computed for them: nothing gathered from the pool and no padding to the bucket's longest prompt.
 
 K/V are gathered a page at a time (a page's slots are contiguous): the same bytes as a token gather
 with page_size× fewer indices. Pages longer than `max_gather_page` (the contiguous layout) are gathered
@@ -79,7 +80,8 @@ class _Group:
     kv_lens: torch.Tensor | None = None  # (n,) int32: a decode group the CPU kernel reads from the pool
     q_pos: torch.Tensor | None = None  # position of each mask row's query, broadcastable to the mask
     windowed: dict | None = None  # window -> the mask narrowed to it, made on first use in a step
-    fresh: bool = False  # every member starts at position 0 (no prefix): plain causal attention applies
+    spans: list[tuple[int, int]] | None = None  # every member starts at position 0 (no prefix): where each one's
+    # tokens lie in the step (start, length), for plain causal attention over the step's own K/V
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The mask of a layer seeing the last `window` positions of each query (None: all of them)."""
@@ -145,8 +147,13 @@ class TorchBackend:
         out_index = (torch.arange(len(members), device=device)[:, None] * width + j[None])[valid]
         kv_index = _gather_index(view, view.rows[members], ctx, unit)
         rows_pos = q_pos.repeat(1, group_size)[:, None, :, None]  # (n, 1, G·E, 1), rows g·E + j
-        fresh = not any(view.prefix_lens[i] for i in members)
-        return _Group(kv_index, mask, q_index, out_index, q_index[valid], width, q_pos=rows_pos, fresh=fresh)
+        spans = None
+        if not any(view.prefix_lens[i] for i in members):
+            starts = [0]
+            for n in view.extend_lens:
+                starts.append(starts[-1] + n)
+            spans = [(starts[i], view.extend_lens[i]) for i in members]
+        return _Group(kv_index, mask, q_index, out_index, q_index[valid], width, q_pos=rows_pos, spans=spans)
 
     def attend(
         self, view: StepView, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, *,
@@ -168,6 +175,13 @@ class TorchBackend:
                 if out is None:
                     return o
                 continue
+            if g.spans is not None and window is None and softcap is None:  # whole prompts: causal from position 0
+                for start, length in g.spans:  # each over its own K/V, as this step computed them: no gather, no padding
+                    rows = slice(start, start + length)
+                    qh, kh, vh = (t[rows].transpose(0, 1)[None] for t in (q, k_new, v_new))
+                    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=G > 1)
+                    out[rows] = o[0].transpose(0, 1)
+                continue
             k, v = _context(view, layer_idx, g, unit, k_new, v_new)  # (n, Hkv, C, D)
             n, E = k.shape[0], g.width
             mask = g.mask_for(window)
@@ -176,11 +190,6 @@ class TorchBackend:
                 if out is None:
                     return o.reshape(n, Hq, D)
                 out[:n] = o.reshape(n, Hq, D)
-                continue
-            if g.fresh and window is None and softcap is None:  # whole prompts: causal from position 0
-                qh = q[g.q_index].transpose(1, 2)  # (n, Hq, E, D)
-                o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
-                out.index_copy_(0, g.dst, o.transpose(1, 2).reshape(n * E, Hq, D)[g.out_index])
                 continue
             qg = q[g.q_index].view(n, E, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * E, D)
             o = _sdpa(qg, k, v, mask, scale, softcap)  # (n, Hkv, G·E, D)
