@@ -1,8 +1,8 @@
 """A decode step of a Llama-shaped model on CPU: one kernel call per layer instead of the module path.
 
 A decode step's forward on CPU spends most of its time in the fused kernels (`panel_matmul`, the paged decode
-attention, RMSNorm, RoPE, SwiGLU), but between them sit a few dozen PyTorch ops, the modules' Python and ten
-OpenMP regions per layer, each waking threads that went to sleep (OMP_WAIT_POLICY=PASSIVE). `cpu_ops.
+attention, RMSNorm, RoPE, SwiGLU), but between them sit a few dozen PyTorch ops, the modules' Python and five
+OpenMP regions per layer that wake threads gone to sleep (OMP_WAIT_POLICY=PASSIVE). `cpu_ops.
 decode_layer` runs the whole block through the same kernels in one region, so a step is one call per layer
 plus the embedding, the rotary angles and the final norm. Its rows come out bit for bit as the module path's
 (tests/inference/test_cpu_decode.py compares every logit): the same kernels in the same order on the same

@@ -458,7 +458,7 @@ void paged_decode_attention(const float *q, const float *k_pool, const float *v_
  *   h = rms_norm(x, norm2); g, u = h @ [Wg Wu]ᵀ; x += (silu(g) · u) @ Wdownᵀ
  * — a Llama block as the module path runs it on CPU, through the same kernels (and the same row functions),
  * so x comes out bit for bit as that path's. What the module path runs as ten ctypes calls, a few dozen
- * PyTorch ops and ten OpenMP regions (each waking the sleeping threads) is one region here, the threads
+ * PyTorch ops and ten OpenMP regions (five of them waking the sleeping threads) is one region here, the threads
  * meeting at a barrier between phases. `work` holds the intermediates: n · (H + (hq + 2·hkv)·D + hq·D +
  * hkv·D + hq·D + H + 2·inter + inter + H) floats. No bias, no q/k norm, no window, no soft-cap. */
 void decode_layer(float *x, long n, long H, const float *norm1, const float *norm2, float eps, const float *qkv_panels,
