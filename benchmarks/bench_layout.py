@@ -1,6 +1,6 @@
 """Why the engine multiplies by copies of the weights on CPU: the small preset's projections, timed.
 
-For a decode step's few rows (M = 8, 16, 32, 64) and a prefill chunk (M = 1024), each projection of the
+For a decode step's few rows (M = 8, 16, 32, 64) and prefill chunks (M = 200, 1024), each projection of the
 `small` preset is timed five ways: `F.linear(x, W)` against the stored (out, in) weight, `x @ Wt`
 against a contiguous (in, out) copy, one `x @ [Wq Wk Wv]t` against the joined copy (q/k/v, gate/up),
 the fused CPU kernel `panel_matmul` against the joined copy packed in 64-column panels (where the
@@ -65,7 +65,7 @@ def layouts(rows: int, per_layer: list[list]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 1024])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 200, 1024])
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
     setup()

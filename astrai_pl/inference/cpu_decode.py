@@ -12,7 +12,8 @@ It takes a step when every request in it decodes one token (a step with a prefil
 there are at most `PANEL_MAX_ROWS` of them (above that the module path multiplies by the weights as stored),
 the decode attention reads the pool through the CPU kernel, and the model is a plain Llama block stack:
 RMSNorm, q/k/v/o without bias or q/k norm, full attention at the default scale, no soft-cap, a SwiGLU MLP,
-plain `Linear` projections (no adapter, no quantised weight) and RoPE over whole heads by position alone.
+plain `Linear` projections on plain float32 weights (no adapter, no NF4) and RoPE over whole heads by position alone,
+with no forward hook on a block's modules (the one-call layer calls none of them).
 Anything else (Gemma, Qwen2's biases, Qwen3's q/k norm, sliding windows, MoE, RWKV, LoRA, longrope, Phi's
 partial rotary) runs the modules, as before.
 """
@@ -27,6 +28,8 @@ from ..model.transformer import Block
 from ..ops import cpu as cpu_ops
 from .step_view import StepView
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # weights the panels copy (not NF4, not DTensor)
+
 
 def unsupported(model) -> str | None:
     """Why `model` cannot take the one-call decode layer (None: it can)."""
@@ -38,8 +41,8 @@ def unsupported(model) -> str | None:
         return "its rotary angles depend on more than the position"
     if cfg.rotary_dim != cfg.head_size:
         return "a partial rotary embedding"
-    if type(model.norm) is not RMSNorm or cfg.head_size % 8:
-        return "its final norm or head width"
+    if cfg.head_size % 8:
+        return "a head width the decode attention kernel does not take (a multiple of 8)"
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
         if type(block) is not Block or type(attn) is not Attention or type(mlp) is not SwiGLU:
@@ -51,6 +54,15 @@ def unsupported(model) -> str | None:
         if attn.q_norm is not None or attn.window is not None or attn.scale is not None or attn.softcap is not None:
             return "q/k norms, a sliding window, a custom scale or soft-capping"
     return None
+
+
+def _hooked(block) -> bool:
+    """Whether a forward hook would see this block run: the one-call layer calls none of its modules."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
 
 
 class CpuDecode:
@@ -66,21 +78,27 @@ class CpuDecode:
 
     @classmethod
     def for_model(cls, model) -> CpuDecode | None:
+        """The one-call decode steps of `model`, or None where its blocks are not plain Llama ones."""
         return cls(model) if unsupported(model) is None else None
 
     def _panels(self, weights: InputMajorWeights) -> list[tuple] | None:
-        """Each layer's (norm weights, eps, packed q/k/v, o, gate/up, down), or None where one is not packed
-        for the kernel (an adapter, a quantised or non-float32 weight)."""
+        """Each layer's (norm weights, eps, packed q/k/v, o, gate/up, down), or None where a layer must run its
+        modules: an adapter (a Linear subclass), a bias, a weight that is not a plain float32 tensor (NF4, a
+        distributed one), a forward hook, or copies not packed in panels of the expected shapes."""
+        hidden, hq, hkv, D, inter = self.shape
+        expected = (cpu_ops.panels_shape((hq + 2 * hkv) * D, hidden), cpu_ops.panels_shape(hidden, hq * D),
+                    cpu_ops.panels_shape(2 * inter, hidden), cpu_ops.panels_shape(hidden, inter))
         out = []
         for block in self.model.layers:
             attn, mlp = block.self_attn, block.mlp
             linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-            if any(type(lin) is not Linear or lin.bias is not None for lin in linears):
+            if any(type(lin) is not Linear or lin.bias is not None or type(lin.weight) not in _PLAIN
+                   for lin in linears) or _hooked(block):
                 return None
             panels = (weights.get(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
                       weights.get(attn.o_proj.weight), weights.get(mlp.gate_proj.weight, mlp.up_proj.weight),
                       weights.get(mlp.down_proj.weight))
-            if any(p is None or p.dim() != 3 for p in panels):
+            if any(p is None or tuple(p.shape) != shape for p, shape in zip(panels, expected)):
                 return None
             norms = (block.input_layernorm.weight, block.post_attention_layernorm.weight)
             out.append((norms, block.input_layernorm.eps, panels))
@@ -106,7 +124,7 @@ class CpuDecode:
             return None
         cos, sin = (t.reshape(n, -1).contiguous() for t in model.rotary(position_ids, x.dtype))
         hidden, hq, hkv, D, inter = self.shape
-        if cos.shape[1] != D:
+        if cos.shape[1] != D or tuple(view.storage.k.shape[2:]) != (hkv, D):
             return None
         size = cpu_ops.decode_layer_work(n, hidden, hq, hkv, D, inter)
         if self.work is None or self.work.numel() < size:

@@ -165,17 +165,19 @@ def _through_copy(x: torch.Tensor, copy: torch.Tensor, linears: tuple[Linear, ..
     return [o if d is None else o + d for o, d in zip(out, deltas)]
 
 
+# oneDNN's matmul, for the many rows of a prefill chunk (_as_stored): where this PyTorch build has it
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def _as_stored(x: torch.Tensor, linear: Linear) -> torch.Tensor:
     """linear(x) on the weight as stored, for the many rows of a prefill chunk (float32 CPU weights, autograd
     off). oneDNN's matmul where PyTorch has it and autocast is off: for the `small` preset's projections it took
-    7-23% less time than `F.linear` (MKL's sgemm) at 65-1024 rows (benchmarks/bench_layout.py); the sums come in
-    another order, within float32 round-off of `F.linear`'s."""
+    less time than `F.linear` (MKL's sgemm) at 65-1024 rows (benchmarks/bench_layout.py, docs/inference.md); the
+    sums come in another order, within float32 round-off of `F.linear`'s."""
     if _ONEDNN and torch._C._get_mkldnn_enabled() and not torch.is_autocast_enabled("cpu") and type(x) is torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "none", [], "")
     return F.linear(x, linear.weight, linear.bias)
 
-
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def _with_bias(outputs, linears: tuple[Linear, ...]) -> list[torch.Tensor]:

@@ -15,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) per row; rstd is kept for the backward. */
 /* One row; returns its rstd. Not inlined: the fused decode layer calls the same code, so its rows come out
  * bit for bit as this kernel's. */
 __attribute__((noinline)) static float rms_norm_row(const float *xr, const float *w, float *yr, long dim, float eps) {
@@ -28,6 +27,7 @@ __attribute__((noinline)) static float rms_norm_row(const float *xr, const float
     return s;
 }
 
+/* y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) per row; rstd is kept for the backward. */
 void rms_norm_forward(const float *x, const float *w, float *y, float *rstd, long rows, long dim, float eps,
                       int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -60,10 +60,6 @@ void rms_norm_backward(const float *x, const float *w, const float *rstd, const 
     }
 }
 
-/* Rotary embedding in the rotate-half layout, on x (rows, heads, dim) with cos/sin (rows, dim):
- *   forward   out = x * cos + rotate_half(x) * sin,      rotate_half(x) = [-x2, x1]
- *   backward  out = x * cos + rotate_half^T(x * sin),    rotate_half^T(z) = [z2, -z1]
- * (the backward of a rotation is the rotation back). `x_stride` is the distance between rows of x. */
 /* One row's heads (x_row's heads `dim` apart, out_row dense). Not inlined: the fused decode layer calls the same
  * code (see rms_norm_row). */
 __attribute__((noinline)) static void rotary_row(const float *x_row, const float *c, const float *s, float *out_row,
@@ -88,6 +84,10 @@ __attribute__((noinline)) static void rotary_row(const float *x_row, const float
     }
 }
 
+/* Rotary embedding in the rotate-half layout, on x (rows, heads, dim) with cos/sin (rows, dim):
+ *   forward   out = x * cos + rotate_half(x) * sin,      rotate_half(x) = [-x2, x1]
+ *   backward  out = x * cos + rotate_half^T(x * sin),    rotate_half^T(z) = [z2, -z1]
+ * (the backward of a rotation is the rotation back). `x_stride` is the distance between rows of x. */
 void rotary(const float *x, long x_stride, const float *cos, const float *sin, float *out, long rows, long heads,
             long dim, int backward, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -417,8 +417,6 @@ static void softcap_in_place(float *s, long L, float cap) {
     }
 }
 
-/* window > 0: each query sees only the last `window` of its kv_lens[i] keys (a sliding-window layer), and only
- * those are read; cap > 0: the scores are soft-capped (cap · tanh(score / cap)) before the softmax. */
 /* The work of paged_decode_attention, shared out among the threads of the region it is called from. */
 static void decode_attention_shared(const float *q, const float *k_pool, const float *v_pool, const int32_t *table,
                                     long table_stride, const int64_t *rows, const int32_t *kv_lens, float *out, long n,
@@ -441,6 +439,8 @@ static void decode_attention_shared(const float *q, const float *k_pool, const f
     free(scores);
 }
 
+/* window > 0: each query sees only the last `window` of its kv_lens[i] keys (a sliding-window layer), and only
+ * those are read; cap > 0: the scores are soft-capped (cap · tanh(score / cap)) before the softmax. */
 void paged_decode_attention(const float *q, const float *k_pool, const float *v_pool, const int32_t *table,
                             long table_stride, const int64_t *rows, const int32_t *kv_lens, float *out, long n,
                             long hq, long hkv, long dim, float scale, long max_len, long window, float cap,

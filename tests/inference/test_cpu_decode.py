@@ -1,83 +1,104 @@
 """The one-call decode layer (inference/cpu_decode.py): the same logits as the module path, bit for bit, and
 the module path wherever it does not apply."""
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 
 from astrai_pl.inference import SamplingParams
+from astrai_pl.inference import cpu_decode as cpu_decode_module
 from astrai_pl.inference.cpu_decode import unsupported
 from astrai_pl.model import ModelConfig, Transformer
+from astrai_pl.model.lora import LoraConfig, apply_lora
 from astrai_pl.ops import cpu as cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the fused CPU kernels do not build here")
+GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-def _prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
+def _prompts(vocab: int, count: int, seed: int = 0, longest: int = 40) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(2, 40, (count,), generator=g)]
+    lengths = torch.randint(2, longest, (count,), generator=g)
+    return [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in lengths]
 
 
-def _counting(monkeypatch) -> list[int]:
-    calls = []
-    real = cpu_ops.decode_layer
+def _steps(monkeypatch) -> list[tuple[int, bool]]:
+    """(rows, whether the one-call layer took the step) for every step offered to it."""
+    seen = []
+    real = cpu_decode_module.CpuDecode.hidden_states
 
-    def counted(x, *args, **kwargs):
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
+    def recorded(self, input_ids, *args):
+        out = real(self, input_ids, *args)
+        seen.append((input_ids.shape[1], out is not None))
+        return out
 
-    monkeypatch.setattr(cpu_ops, "decode_layer", counted)
-    return calls
-
-
-def _run(engine, prompts, fused: bool, **params):
-    if not fused:
-        engine.runner.cpu_decode = None
-    return engine.generate(prompts, SamplingParams(temperature=0, ignore_eos=True, logprobs=True, top_logprobs=4,
-                                                   **params))
+    monkeypatch.setattr(cpu_decode_module.CpuDecode, "hidden_states", recorded)
+    return seen
 
 
-def test_same_logprobs_as_the_module_path(model, make_engine, monkeypatch):
-    """Greedy decoding of 12 ragged prompts with a shared prefix among them, a page size that splits contexts
-    across pages, and a token budget that makes some steps mixed (those run the modules): every token, its
+def _wide(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """Weights wide enough that greedy decoding depends on the context (as the inference conftest's model)."""
+    torch.manual_seed(seed)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, {"embed_tokens.weight": 1.0, "lm_head.weight": 0.1}.get(name, 0.2))
+    return model
+
+
+# The debug preset (head width 16), and 64-wide heads in groups of 2 with contexts past the values loop's
+# blocks of 16: the kernel's straight-line 64-column paths and several q/k/v panels.
+WIDE_HEADS = dataclasses.replace(ModelConfig.from_name("debug"), hidden_size=256, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=64, intermediate_size=352)
+
+
+@pytest.mark.parametrize("shape", ["debug", "wide heads"])
+def test_same_logprobs_as_the_module_path(shape, model, make_engine, monkeypatch):
+    """Greedy decoding of ragged prompts, some sharing a prefix, with a page size that splits contexts across
+    pages and a step budget that makes some steps mixed (those run the modules): every token, its
     log-probability and the top-4 alternatives equal the module path's exactly."""
-    calls = _counting(monkeypatch)
-    prompts = _prompts(model.config.vocab_size, 12)
-    prompts += [prompts[0][:20] + p for p in _prompts(model.config.vocab_size, 4, seed=1)]
-    fused = _run(make_engine(model, page_size=4, max_step_tokens=64), prompts, True, max_tokens=20)
-    assert calls and all(n <= cpu_ops.PANEL_MAX_ROWS for n in calls)  # the one-call path ran
-    assert len(calls) % model.config.num_hidden_layers == 0
-    calls.clear()
-    plain = _run(make_engine(model, page_size=4, max_step_tokens=64), prompts, False, max_tokens=20)
-    assert not calls
+    net = model if shape == "debug" else _wide(WIDE_HEADS)
+    steps = _steps(monkeypatch)
+    prompts = _prompts(net.config.vocab_size, 12)
+    prompts += [prompts[0][:20] + p for p in _prompts(net.config.vocab_size, 4, seed=1)]
+    params = SamplingParams(max_tokens=24, logprobs=True, top_logprobs=4, **GREEDY)
+    fused = make_engine(net, page_size=4, max_step_tokens=64).generate(prompts, params)
+    taken = [n for n, took in steps if took]
+    assert taken and max(taken) > 8 and min(taken) < 8  # the one-call layer ran, on many rows and on few
+    plain_engine = make_engine(net, page_size=4, max_step_tokens=64)
+    plain_engine.runner.cpu_decode = None
+    plain = plain_engine.generate(prompts, params)
     for a, b in zip(fused, plain):
         assert a.token_ids == b.token_ids
         assert list(a.logprobs) == list(b.logprobs)
         assert a.top_logprobs == b.top_logprobs
 
 
-def test_greedy_equals_a_forward_without_cache(model, make_engine, reference_greedy):
+def test_greedy_equals_a_forward_without_cache(model, make_engine, reference_greedy, monkeypatch):
+    steps = _steps(monkeypatch)
     prompts = _prompts(model.config.vocab_size, 6, seed=2)
-    outs = make_engine(model, page_size=8).generate(prompts, SamplingParams(max_tokens=12, temperature=0,
-                                                                           ignore_eos=True))
+    outs = make_engine(model, page_size=8).generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+    assert any(took for _, took in steps)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == reference_greedy(model, prompt, 12)
 
 
 def test_more_rows_than_panels_take_the_module_path(model, make_engine, monkeypatch):
     """Above PANEL_MAX_ROWS decodes in a step the module path multiplies by the weights as stored, so the
-    one-call path steps aside (its rows would be summed in another order)."""
-    calls = _counting(monkeypatch)
-    prompts = _prompts(model.config.vocab_size, cpu_ops.PANEL_MAX_ROWS + 6, seed=3)
-    make_engine(model, max_total_tokens=8192).generate(prompts, SamplingParams(max_tokens=3, temperature=0,
-                                                                               ignore_eos=True))
-    assert all(n <= cpu_ops.PANEL_MAX_ROWS for n in calls)
+    one-call layer steps aside (its rows would be summed in another order)."""
+    steps = _steps(monkeypatch)
+    prompts = _prompts(model.config.vocab_size, cpu_ops.PANEL_MAX_ROWS + 6, seed=3, longest=6)
+    engine = make_engine(model, max_total_tokens=8192, max_batch_size=cpu_ops.PANEL_MAX_ROWS + 6)
+    engine.generate(prompts, SamplingParams(max_tokens=3, **GREEDY))
+    assert any(n > cpu_ops.PANEL_MAX_ROWS for n, _ in steps)  # such a step came
+    assert all(not took for n, took in steps if n > cpu_ops.PANEL_MAX_ROWS)
 
 
 def _debug(**changes) -> Transformer:
-    torch.manual_seed(0)
-    return Transformer(dataclasses.replace(ModelConfig.from_name("debug"), **changes)).eval()
+    return _wide(dataclasses.replace(ModelConfig.from_name("debug"), **changes))
 
 
 @pytest.mark.parametrize("changes", [dict(qk_norm=True), dict(sliding_window=4), dict(attn_logit_softcapping=30.0),
@@ -87,10 +108,37 @@ def test_other_blocks_are_refused(changes):
     assert unsupported(_debug(**changes)) is not None
 
 
-def test_biased_projections_and_adapters_run_the_modules(make_engine, monkeypatch):
-    """Qwen2's q/k/v biases: the layer has no bias, so the step runs the modules, and still decodes."""
-    calls = _counting(monkeypatch)
+def test_biased_projections_run_the_modules(make_engine, reference_greedy, monkeypatch):
+    """Qwen2's q/k/v biases: the layer has no bias, so decode steps run the modules; the 80-token prompt's
+    projections (oneDNN with the bias, above 64 rows) give the tokens of a forward without cache."""
+    steps = _steps(monkeypatch)
     model = _debug(attention_bias=True)
+    with torch.no_grad():
+        for block in model.layers:
+            block.self_attn.q_proj.bias.normal_(0.0, 0.5)
+            block.self_attn.k_proj.bias.normal_(0.0, 0.5)
     assert unsupported(model) is None  # the shape is fine; the biases are seen per step
-    outs = make_engine(model).generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    assert len(outs[0].token_ids) == 4 and not calls
+    prompt = _prompts(model.config.vocab_size, 1, seed=4, longest=3)[0] * 40
+    out = make_engine(model).generate([prompt[:80]], SamplingParams(max_tokens=6, **GREEDY))[0]
+    assert steps and not any(took for _, took in steps)
+    assert out.token_ids == reference_greedy(model, prompt[:80], 6)
+
+
+def test_adapters_and_hooks_run_the_modules(model, make_engine, reference_greedy, monkeypatch):
+    """A LoRA adapter (a Linear subclass) and a forward hook on a block: decode steps run the modules, and
+    the hook sees every step."""
+    steps = _steps(monkeypatch)
+    adapted = copy.deepcopy(model)
+    apply_lora(adapted, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    make_engine(adapted).generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
+    assert steps and not any(took for _, took in steps)
+    steps.clear()
+    calls = []
+    handle = model.layers[0].mlp.register_forward_hook(lambda module, args, out: calls.append(out.shape[1]))
+    try:
+        out = make_engine(model).generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))[0]
+    finally:
+        handle.remove()
+    assert steps and not any(took for _, took in steps)
+    assert calls == [3, 1, 1, 1]  # the prompt, then each decode step
+    assert out.token_ids == reference_greedy(model, [5, 6, 7], 4)
