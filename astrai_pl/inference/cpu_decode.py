@@ -21,6 +21,7 @@ partial rotary) runs the modules, as before.
 from __future__ import annotations
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from ..model.attention import Attention
 from ..model.layers import InputMajorWeights, Linear, RMSNorm, SwiGLU
@@ -57,11 +58,7 @@ def unsupported(model) -> str | None:
 
 
 def _hooked(block) -> bool:
-    """Whether a forward hook would see this block run: the one-call layer calls none of its modules."""
-    from torch.nn.modules import module as nn_module
-
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
+    """Whether a forward hook on one of this block's modules would see it run (the one-call layer calls none)."""
     return any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
 
 
@@ -71,9 +68,11 @@ class CpuDecode:
     def __init__(self, model):
         self.model = model
         cfg = model.config
-        self.heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
-        self.shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size,
-                      cfg.intermediate_size)
+        hidden, hq, hkv, D, inter = self.shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                  cfg.head_size, cfg.intermediate_size)
+        # the packed copies each layer's q/k/v, o, gate/up and down must have
+        self.panel_shapes = (cpu_ops.panels_shape((hq + 2 * hkv) * D, hidden), cpu_ops.panels_shape(hidden, hq * D),
+                             cpu_ops.panels_shape(2 * inter, hidden), cpu_ops.panels_shape(hidden, inter))
         self.work: torch.Tensor | None = None
 
     @classmethod
@@ -85,9 +84,8 @@ class CpuDecode:
         """Each layer's (norm weights, eps, packed q/k/v, o, gate/up, down), or None where a layer must run its
         modules: an adapter (a Linear subclass), a bias, a weight that is not a plain float32 tensor (NF4, a
         distributed one), a forward hook, or copies not packed in panels of the expected shapes."""
-        hidden, hq, hkv, D, inter = self.shape
-        expected = (cpu_ops.panels_shape((hq + 2 * hkv) * D, hidden), cpu_ops.panels_shape(hidden, hq * D),
-                    cpu_ops.panels_shape(2 * inter, hidden), cpu_ops.panels_shape(hidden, inter))
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return None
         out = []
         for block in self.model.layers:
             attn, mlp = block.self_attn, block.mlp
@@ -98,7 +96,7 @@ class CpuDecode:
             panels = (weights.get(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
                       weights.get(attn.o_proj.weight), weights.get(mlp.gate_proj.weight, mlp.up_proj.weight),
                       weights.get(mlp.down_proj.weight))
-            if any(p is None or tuple(p.shape) != shape for p, shape in zip(panels, expected)):
+            if any(p is None or tuple(p.shape) != shape for p, shape in zip(panels, self.panel_shapes)):
                 return None
             norms = (block.input_layernorm.weight, block.post_attention_layernorm.weight)
             out.append((norms, block.input_layernorm.eps, panels))
@@ -130,10 +128,10 @@ class CpuDecode:
         if self.work is None or self.work.numel() < size:
             self.work = x.new_empty(size)
         kv_lens = view.kv_lens
-        lens = torch.tensor(kv_lens, dtype=torch.int32)
+        lens, longest = torch.tensor(kv_lens, dtype=torch.int32), max(kv_lens)
         rows = view.rows.contiguous()
         k, v = view.storage.k, view.storage.v
         for i, (norms, eps, panels) in enumerate(layers):
-            cpu_ops.decode_layer(x2, norms, eps, panels, self.heads, inter, cos, sin, k[i], v[i], view.out_slots,
-                                 view.req_to_token, rows, lens, max(kv_lens), self.work)
+            cpu_ops.decode_layer(x2, norms, eps, panels, (hq, hkv), inter, cos, sin, k[i], v[i], view.out_slots,
+                                 view.req_to_token, rows, lens, longest, self.work)
         return model.norm(x)

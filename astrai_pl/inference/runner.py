@@ -61,7 +61,7 @@ class ModelRunner:
                                                        device=self.device)[None]
         with Linear.input_major(self.weights):
             hidden = None
-            if self.cpu_decode is not None and not lengths:
+            if self.cpu_decode is not None:  # None for longrope models, the ones with `lengths`
                 hidden = self.cpu_decode.hidden_states(input_ids, position_ids, view, self.weights)
             if hidden is None:
                 hidden, _ = self.model.hidden_states(input_ids, position_ids=position_ids, cache=view, **lengths)

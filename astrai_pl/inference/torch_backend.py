@@ -149,9 +149,7 @@ class TorchBackend:
         rows_pos = q_pos.repeat(1, group_size)[:, None, :, None]  # (n, 1, G·E, 1), rows g·E + j
         spans = None
         if not any(view.prefix_lens[i] for i in members):
-            starts = [0]
-            for n in view.extend_lens:
-                starts.append(starts[-1] + n)
+            starts = view.qo_indptr.tolist()
             spans = [(starts[i], view.extend_lens[i]) for i in members]
         return _Group(kv_index, mask, q_index, out_index, q_index[valid], width, q_pos=rows_pos, spans=spans)
 

@@ -179,7 +179,6 @@ def _as_stored(x: torch.Tensor, linear: Linear) -> torch.Tensor:
     return F.linear(x, linear.weight, linear.bias)
 
 
-
 def _with_bias(outputs, linears: tuple[Linear, ...]) -> list[torch.Tensor]:
     return [o if linear.bias is None else o + linear.bias for o, linear in zip(outputs, linears)]
 

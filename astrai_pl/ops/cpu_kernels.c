@@ -354,6 +354,16 @@ static void softmax_in_place(float *s, long L) {
     for (long t = 0; t < L; ++t) s[t] *= inv;
 }
 
+/* acc[0…8) += Σ_{t0 <= t < t1} p[t] · columns c0…c0+63 of v_t (kv head h) */
+static inline void values_64(vec8 *acc, const float *p, const float *v_pool, const int32_t *slots, long t0, long t1,
+                             long hkv, long h, long dim, long c0) {
+    for (long t = t0; t < t1; ++t) {
+        const float *vp = v_pool + ((long)slots[t] * hkv + h) * dim + c0;
+        const float w = p[t];
+        _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) acc[c] += w * *(const vec8 *)(vp + 8 * c);
+    }
+}
+
 /* out (dim,) = Σ_t p[t] · v_t over keys t < L of kv head h; 8 columns of out in registers at a time. */
 static void decode_values(const float *p, const float *v_pool, const int32_t *slots, long L, long hkv, long h,
                           long dim, float *out) {
@@ -361,11 +371,7 @@ static void decode_values(const float *p, const float *v_pool, const int32_t *sl
         const long width = dim - c0 < 64 ? (dim - c0) / 8 : 8;
         vec8 acc[8] = {{0}};
         if (width == 8) { /* all 64 columns: straight-line FMAs (a check per column cost a branch per FMA) */
-            for (long t = 0; t < L; ++t) {
-                const float *vp = v_pool + ((long)slots[t] * hkv + h) * dim + c0;
-                const float w = p[t];
-                _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) acc[c] += w * *(const vec8 *)(vp + 8 * c);
-            }
+            values_64(acc, p, v_pool, slots, 0, L, hkv, h, dim, c0);
         } else {
             for (long t = 0; t < L; ++t) {
                 const float *vp = v_pool + ((long)slots[t] * hkv + h) * dim + c0;
@@ -396,11 +402,7 @@ static void decode_values_heads(const float *p, long G, long stride, const float
             const float *pg = p + g * stride;
             vec8 acc[8];
             _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) acc[c] = t0 ? *(const vec8 *)(o + 8 * c) : (vec8){0};
-            for (long t = t0; t < t1; ++t) {
-                const float *vp = v_pool + ((long)slots[t] * hkv + h) * 64;
-                const float w = pg[t];
-                _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) acc[c] += w * *(const vec8 *)(vp + 8 * c);
-            }
+            values_64(acc, pg, v_pool, slots, t0, t1, hkv, h, 64, 0);
             _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) *(vec8 *)(o + 8 * c) = acc[c];
         }
     }

@@ -7,13 +7,14 @@ from astrai_pl.inference import Engine
 from astrai_pl.model import ModelConfig, Transformer
 
 
-def _wide_debug_model(seed: int = 0) -> Transformer:
-    """The debug preset with wide weights, so greedy decoding neither repeats one token nor ignores context.
+def _wide_debug_model(seed: int = 0, config: ModelConfig | None = None) -> Transformer:
+    """The debug preset (or `config`) with wide weights, so greedy decoding neither repeats one token nor ignores
+    context.
 
     Logits stay within a few units (lm_head at std 0.1), so float32 round-off stays far below 1e-5.
     """
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig.from_name("debug")).eval()
+    model = Transformer(config or ModelConfig.from_name("debug")).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 2:
@@ -31,6 +32,12 @@ def model() -> Transformer:
 def other_model() -> Transformer:
     """Same shape as `model`, different weights."""
     return _wide_debug_model(1)
+
+
+@pytest.fixture(scope="session")
+def wide_model():
+    """`wide_model(config, seed=0)`: a model of another shape with the wide weights of `model`."""
+    return lambda config, seed=0: _wide_debug_model(seed, config)
 
 
 @pytest.fixture(scope="session")

@@ -38,17 +38,6 @@ def _steps(monkeypatch) -> list[tuple[int, bool]]:
     return seen
 
 
-def _wide(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """Weights wide enough that greedy decoding depends on the context (as the inference conftest's model)."""
-    torch.manual_seed(seed)
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, {"embed_tokens.weight": 1.0, "lm_head.weight": 0.1}.get(name, 0.2))
-    return model
-
-
 # The debug preset (head width 16), and 64-wide heads in groups of 2 with contexts past the values loop's
 # blocks of 16: the kernel's straight-line 64-column paths and several q/k/v panels.
 WIDE_HEADS = dataclasses.replace(ModelConfig.from_name("debug"), hidden_size=256, num_attention_heads=4,
@@ -56,11 +45,11 @@ WIDE_HEADS = dataclasses.replace(ModelConfig.from_name("debug"), hidden_size=256
 
 
 @pytest.mark.parametrize("shape", ["debug", "wide heads"])
-def test_same_logprobs_as_the_module_path(shape, model, make_engine, monkeypatch):
+def test_same_logprobs_as_the_module_path(shape, model, wide_model, make_engine, monkeypatch):
     """Greedy decoding of ragged prompts, some sharing a prefix, with a page size that splits contexts across
     pages and a step budget that makes some steps mixed (those run the modules): every token, its
     log-probability and the top-4 alternatives equal the module path's exactly."""
-    net = model if shape == "debug" else _wide(WIDE_HEADS)
+    net = model if shape == "debug" else wide_model(WIDE_HEADS)
     steps = _steps(monkeypatch)
     prompts = _prompts(net.config.vocab_size, 12)
     prompts += [prompts[0][:20] + p for p in _prompts(net.config.vocab_size, 4, seed=1)]
@@ -97,22 +86,22 @@ def test_more_rows_than_panels_take_the_module_path(model, make_engine, monkeypa
     assert all(not took for n, took in steps if n > cpu_ops.PANEL_MAX_ROWS)
 
 
-def _debug(**changes) -> Transformer:
-    return _wide(dataclasses.replace(ModelConfig.from_name("debug"), **changes))
+def _debug(wide_model, **changes) -> Transformer:
+    return wide_model(dataclasses.replace(ModelConfig.from_name("debug"), **changes))
 
 
 @pytest.mark.parametrize("changes", [dict(qk_norm=True), dict(sliding_window=4), dict(attn_logit_softcapping=30.0),
                                      dict(query_pre_attn_scalar=24),
                                      dict(rope_scaling={"rope_type": "default", "partial_rotary_factor": 0.5})])
-def test_other_blocks_are_refused(changes):
-    assert unsupported(_debug(**changes)) is not None
+def test_other_blocks_are_refused(changes, wide_model):
+    assert unsupported(_debug(wide_model, **changes)) is not None
 
 
-def test_biased_projections_run_the_modules(make_engine, reference_greedy, monkeypatch):
+def test_biased_projections_run_the_modules(wide_model, make_engine, reference_greedy, monkeypatch):
     """Qwen2's q/k/v biases: the layer has no bias, so decode steps run the modules; the 80-token prompt's
     projections (oneDNN with the bias, above 64 rows) give the tokens of a forward without cache."""
     steps = _steps(monkeypatch)
-    model = _debug(attention_bias=True)
+    model = _debug(wide_model, attention_bias=True)
     with torch.no_grad():
         for block in model.layers:
             block.self_attn.q_proj.bias.normal_(0.0, 0.5)
