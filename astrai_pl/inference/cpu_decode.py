@@ -1,12 +1,12 @@
-"""A decode step of a Llama-shaped model on CPU: one kernel call per layer instead of the module path.
+"""A decode step of a Llama-shaped model on CPU: one kernel call for the whole stack instead of the module path.
 
 A decode step's forward on CPU spends most of its time in the fused kernels (`panel_matmul`, the paged decode
 attention, RMSNorm, RoPE, SwiGLU), but between them sit a few dozen PyTorch ops, the modules' Python and five
-OpenMP regions per layer that wake threads gone to sleep (OMP_WAIT_POLICY=PASSIVE). `cpu_ops.
-decode_layer` runs the whole block through the same kernels in one region, so a step is one call per layer
-plus the embedding, the rotary angles and the final norm. Its rows come out bit for bit as the module path's
-(tests/inference/test_cpu_decode.py compares every logit): the same kernels in the same order on the same
-weight copies (`InputMajorWeights`), only the glue is gone.
+OpenMP regions per layer that wake threads gone to sleep (OMP_WAIT_POLICY=PASSIVE). `cpu_ops.decode_layers`
+runs every block through the same kernels in one region, its threads meeting at the kernels' own barrier
+(a short spin, then a sleep), so a step is one call plus the embedding, the rotary angles and the final norm.
+Its rows come out bit for bit as the module path's (tests/inference/test_cpu_decode.py compares every logit):
+the same kernels in the same order on the same weight copies (`InputMajorWeights`), only the glue is gone.
 
 It takes a step when every request in it decodes one token (a step with a prefill chunk runs the modules),
 there are at most `PANEL_MAX_ROWS` of them (above that the module path multiplies by the weights as stored),
@@ -63,7 +63,7 @@ def _hooked(block) -> bool:
 
 
 class CpuDecode:
-    """The decode steps of one model, a kernel call per layer (see the module docstring)."""
+    """The decode steps of one model, one kernel call each (see the module docstring)."""
 
     def __init__(self, model):
         self.model = model
@@ -117,7 +117,7 @@ class CpuDecode:
         model = self.model
         x = model.embed_tokens(input_ids)  # (1, n, hidden), a fresh tensor: the layers write it in place
         x2 = x.view(n, -1)
-        if not cpu_ops.panel_matmul_usable(x) or not all(
+        if not cpu_ops.panel_matmul_usable(x) or any(eps != layers[0][1] for _, eps, _ in layers) or not all(
                 cpu_ops.rms_norm_usable(x2, w) and w.is_contiguous() for norms, _, _ in layers for w in norms):
             return None
         cos, sin = (t.reshape(n, -1).contiguous() for t in model.rotary(position_ids, x.dtype))
@@ -129,9 +129,9 @@ class CpuDecode:
             self.work = x.new_empty(size)
         kv_lens = view.kv_lens
         lens, longest = torch.tensor(kv_lens, dtype=torch.int32), max(kv_lens)
-        rows = view.rows.contiguous()
         k, v = view.storage.k, view.storage.v
-        for i, (norms, eps, panels) in enumerate(layers):
-            cpu_ops.decode_layer(x2, norms, eps, panels, (hq, hkv), inter, cos, sin, k[i], v[i], view.out_slots,
-                                 view.req_to_token, rows, lens, longest, self.work)
+        pointers = cpu_ops.decode_layer_pointers([(*norms, *panels, k[i], v[i])
+                                                  for i, (norms, _, panels) in enumerate(layers)])
+        cpu_ops.decode_layers(x2, pointers, layers[0][1], (hq, hkv), D, inter, cos, sin, view.out_slots,
+                              view.req_to_token, view.rows.contiguous(), lens, longest, self.work)
         return model.norm(x)

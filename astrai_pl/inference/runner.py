@@ -27,7 +27,7 @@ class ModelRunner:
         self.scratch: dict = {}  # attention backends' state between steps
         self.weights = InputMajorWeights() if device.type == "cpu" else None
         self.needs = model_features(model.config)  # what the attention backend must do for this model
-        # decode steps of a Llama-shaped model on CPU: one kernel call per layer (cpu_decode.py)
+        # decode steps of a Llama-shaped model on CPU: one kernel call for all layers (cpu_decode.py)
         self.cpu_decode = CpuDecode.for_model(model) if device.type == "cpu" else None
 
     def forward(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:

@@ -7,7 +7,7 @@
                engine's projections on CPU, bound by reading the weights (float32, no autograd)
     paged_decode_attention  one query per request over its K/V where they lie in the paged pool: the
                inference engine's decode attention on CPU, nothing gathered (float32, no autograd)
-    decode_layer  a whole Llama block for a decode step's rows, through the kernels above in one OpenMP
+    decode_layers  a decode step's whole stack of Llama blocks, through the kernels above in one OpenMP
                region (the inference engine's CPU decode steps; `inference/cpu_decode.py` is its face)
     wkv        RWKV-4's recurrence over a sequence, forward and backward (float32; `wkv.py` is its face)
 
@@ -115,12 +115,12 @@ def _build() -> ctypes.CDLL:
     lib.swiglu_backward.argtypes = [f32, f32, f32, f32, f32, long, long, c_int]
     lib.paged_decode_attention.argtypes = [f32, f32, f32, f32, long, f32, f32, f32, long, long, long, long,
                                            c_float, long, long, c_float, c_int]
-    lib.decode_layer.argtypes = [f32, long, long, f32, f32, c_float, f32, f32, f32, f32, long, long, long, long,
-                                 f32, f32, f32, f32, f32, f32, long, f32, f32, long, c_float, f32, c_int]
+    lib.decode_layers.argtypes = [f32, long, long, long, f32, c_float, long, long, long, long, f32, f32, f32, f32,
+                                  long, f32, f32, long, c_float, f32, c_int]
     lib.wkv_forward.argtypes = [f32, f32, f32, f32, f32, f32, f32, long, long, long, c_int]
     lib.wkv_backward.argtypes = [f32] * 12 + [long, long, long, c_int]
     for fn in (lib.rms_norm_forward, lib.rms_norm_backward, lib.rotary, lib.panel_matmul, lib.pack_panels,
-               lib.swiglu_forward, lib.swiglu_backward, lib.paged_decode_attention, lib.decode_layer, lib.wkv_forward,
+               lib.swiglu_forward, lib.swiglu_backward, lib.paged_decode_attention, lib.decode_layers, lib.wkv_forward,
                lib.wkv_backward):
         fn.restype = None
     return lib
@@ -406,27 +406,32 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 
 def decode_layer_work(n: int, hidden: int, q_heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:
-    """Floats of scratch `decode_layer` needs for n rows."""
+    """Floats of scratch `decode_layers` needs for n rows."""
     return n * (3 * hidden + (3 * q_heads + 3 * kv_heads) * head_dim + 3 * intermediate)
 
 
-def decode_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float, panels: tuple[torch.Tensor, ...],
-                 heads: tuple[int, int], intermediate: int, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
-                 v_pool: torch.Tensor, out_slots: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor,
-                 kv_lens: torch.Tensor, max_len: int, work: torch.Tensor) -> None:
-    """One Llama block (no biases, no q/k norm, no window or soft-cap) on the rows of x (n, hidden), in place:
-    each row one request's newest token, its K/V stored at `out_slots` of this layer's pools and attended over
-    its request's kv_lens[i] positions (as `paged_decode_attention`). `panels`: the joined q/k/v, o, joined
-    gate/up and down weights packed by `pack_panels`; cos/sin (n, head_dim); `work` at least
-    `decode_layer_work` floats. Float32 CPU, no autograd; every tensor dense (the caller checks)."""
+def decode_layer_pointers(layers: list[tuple]) -> torch.Tensor:
+    """The (layers, 8) int64 addresses `decode_layers` reads, from each layer's (norm1, norm2, q/k/v panels,
+    o panels, gate/up panels, down panels, K pool, V pool). The caller keeps the tensors alive."""
+    return torch.tensor([[t.data_ptr() for t in layer] for layer in layers], dtype=torch.int64)
+
+
+def decode_layers(x: torch.Tensor, pointers: torch.Tensor, eps: float, heads: tuple[int, int], head_dim: int,
+                  intermediate: int, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor,
+                  req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, max_len: int,
+                  work: torch.Tensor) -> None:
+    """The Llama blocks (no biases, no q/k norm, no window or soft-cap) of `pointers` (`decode_layer_pointers`)
+    one after another on the rows of x (n, hidden), in place: each row one request's newest token, its K/V
+    stored at `out_slots` of each layer's pools and attended over its request's kv_lens[i] positions (as
+    `paged_decode_attention`). The panels are the joined q/k/v, o, joined gate/up and down weights packed by
+    `pack_panels`; cos/sin (n, head_dim); `work` at least `decode_layer_work` floats. Float32 CPU, no autograd;
+    every tensor dense and every pool (slots, kv_heads, head_dim) (the caller checks)."""
     n, hidden = x.shape
     hq, hkv = heads
-    D = k_pool.shape[2]
     assert x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and rows.dtype == torch.int64
     assert kv_lens.dtype == torch.int32 and req_to_token.dtype == torch.int32 and out_slots.dtype == torch.int64
-    assert work.numel() >= decode_layer_work(n, hidden, hq, hkv, D, intermediate)
-    qkv, o, gu, down = panels
-    load().decode_layer(_ptr(x), n, hidden, _ptr(norms[0]), _ptr(norms[1]), eps, _ptr(qkv), _ptr(o), _ptr(gu),
-                        _ptr(down), hq, hkv, D, intermediate, _ptr(cos), _ptr(sin), _ptr(k_pool), _ptr(v_pool),
-                        _ptr(out_slots), _ptr(req_to_token), req_to_token.stride(0), _ptr(rows), _ptr(kv_lens),
-                        max_len, 1.0 / D**0.5, _ptr(work), torch.get_num_threads())
+    assert pointers.dtype == torch.int64 and pointers.is_contiguous() and pointers.shape[1:] == (8,)
+    assert work.numel() >= decode_layer_work(n, hidden, hq, hkv, head_dim, intermediate)
+    load().decode_layers(_ptr(x), n, hidden, pointers.shape[0], _ptr(pointers), eps, hq, hkv, head_dim, intermediate,
+                         _ptr(cos), _ptr(sin), _ptr(out_slots), _ptr(req_to_token), req_to_token.stride(0),
+                         _ptr(rows), _ptr(kv_lens), max_len, 1.0 / head_dim**0.5, _ptr(work), torch.get_num_threads())

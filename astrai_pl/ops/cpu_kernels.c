@@ -6,7 +6,14 @@
  *
  * Every tensor is float32, contiguous, rows x dim. Sums are taken in float, as PyTorch's CPU mean is.
  */
+#define _GNU_SOURCE /* syscall, clock_gettime */
+#include <limits.h>
+#include <linux/futex.h>
 #include <math.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -14,6 +21,61 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* ---- a barrier that spins briefly, then sleeps ----------------------------------------------------------
+ * The threads of a region meet between the phases of a fused layer (the q/k/v projection must be complete
+ * before attention reads it). OpenMP's own barrier follows OMP_WAIT_POLICY, and the package sets PASSIVE
+ * (spinning threads took the cores the stepping thread needed on a shared machine, docs/serving.md): every
+ * waiter then sleeps in the kernel at once, and waking it costs 30-90 us on a virtual machine — more than a
+ * phase of a decode step at the `small` preset takes. This one spins up to BARRIER_SPIN_NS first (the phases
+ * are balanced, so the others usually arrive within a few microseconds), then sleeps on a futex. A waiter
+ * whose partner lost its core to another process stops spinning after that, so the core it holds goes idle
+ * and the scheduler can move the partner there — what spinning without bound prevents. */
+#ifndef BARRIER_SPIN_NS
+#define BARRIER_SPIN_NS 50000L
+#endif
+
+struct team_barrier {
+    atomic_int arrived, sleepers;
+    atomic_uint generation;
+};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void team_barrier_wait(struct team_barrier *b, int threads) {
+    if (threads <= 1) return;
+    const unsigned generation = atomic_load(&b->generation);
+    if (atomic_fetch_add(&b->arrived, 1) == threads - 1) { /* the last one in lets the others go */
+        atomic_store(&b->arrived, 0);
+        atomic_fetch_add(&b->generation, 1);
+        if (atomic_load(&b->sleepers) > 0) syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+        return;
+    }
+    const long deadline = now_ns() + BARRIER_SPIN_NS;
+    for (long spins = 1;; ++spins) {
+        if (atomic_load_explicit(&b->generation, memory_order_acquire) != generation) return;
+        cpu_relax();
+        if (spins % 64 == 0 && now_ns() > deadline) break;
+    }
+    /* sleepers is raised before the generation is read again in the kernel, and the last one in raises the
+     * generation before it reads sleepers (both sequentially consistent): one of the two sees the other */
+    atomic_fetch_add(&b->sleepers, 1);
+    while (atomic_load(&b->generation) == generation)
+        syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, generation, NULL, NULL, 0);
+    atomic_fetch_sub(&b->sleepers, 1);
+}
 
 /* One row; returns its rstd. Not inlined: the fused decode layer calls the same code, so its rows come out
  * bit for bit as this kernel's. */
@@ -189,7 +251,7 @@ static void panel_matmul_shared(const float *x, long ldx, const float *panels, f
      * fewer), each long enough that the next panel a thread prefetches is mostly its own. */
     const long threads = omp_get_num_threads();
     const long run = num_panels / (8L * threads) > 1 ? num_panels / (8L * threads) : 1;
-#pragma omp for schedule(dynamic, run)
+#pragma omp for schedule(dynamic, run) nowait
     for (long p = 0; p < num_panels; ++p) {
         const float *wp = panels + p * panel_size;
         const long width = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
@@ -425,7 +487,7 @@ static void decode_attention_shared(const float *q, const float *k_pool, const f
                                     long hq, long hkv, long dim, float scale, long max_len, long window, float cap) {
     const long G = hq / hkv, items = n * hkv, stride = max_len + 8;
     float *scores = malloc(sizeof(float) * (size_t)(G * stride));
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (long item = 0; item < items; ++item) {
         const long h = item / n, i = item % n, start = window > 0 && kv_lens[i] > window ? kv_lens[i] - window : 0;
         const long L = kv_lens[i] - start;
@@ -452,58 +514,90 @@ void paged_decode_attention(const float *q, const float *k_pool, const float *v_
                             window, cap);
 }
 
-/* ---- one decoder layer of a decode step, in one call ------------------------------------------------
- * The n rows of x (n, H) are n requests' newest tokens, one each (a decode step). With y = x the layer's input:
+/* ---- the decoder layers of a decode step, in one call ---------------------------------------------
+ * The n rows of x (n, H) are n requests' newest tokens, one each (a decode step). Per layer, with y = x:
  *   h = rms_norm(x, norm1); q, k, v = h @ [Wq Wk Wv]ᵀ (joined panels); q, k = rotary(q, k) at each row's
  *   cos/sin (n, D); k, v stored at slot out_slots[r] of this layer's pools (slots, hkv, D); a = attention of
  *   each q over its request's kv_lens[r] keys (paged_decode_attention); x += a @ Woᵀ;
  *   h = rms_norm(x, norm2); g, u = h @ [Wg Wu]ᵀ; x += (silu(g) · u) @ Wdownᵀ
  * — a Llama block as the module path runs it on CPU, through the same kernels (and the same row functions),
  * so x comes out bit for bit as that path's. What the module path runs as ten ctypes calls, a few dozen
- * PyTorch ops and ten OpenMP regions (five of them waking the sleeping threads) is one region here, the threads
- * meeting at a barrier between phases. `work` holds the intermediates: n · (H + (hq + 2·hkv)·D + hq·D +
- * hkv·D + hq·D + H + 2·inter + inter + H) floats. No bias, no q/k norm, no window, no soft-cap. */
-void decode_layer(float *x, long n, long H, const float *norm1, const float *norm2, float eps, const float *qkv_panels,
-                  const float *o_panels, const float *gu_panels, const float *down_panels, long hq, long hkv, long dim,
-                  long inter, const float *cos, const float *sin, float *k_pool, float *v_pool, const int64_t *out_slots,
-                  const int32_t *table, long table_stride, const int64_t *rows, const int32_t *kv_lens, long max_len,
-                  float scale, float *work, int threads) {
-    const long qkv_cols = (hq + 2 * hkv) * dim, kv_row = hkv * dim;
+ * PyTorch ops and ten OpenMP regions per layer is one region for the whole stack here, the threads meeting
+ * at a team_barrier between phases: eight per layer. Two phases need none: an attention item (a request, a
+ * K/V head) rotates and stores its own head's q, k and v first (nothing else reads them), and the residual
+ * of a layer's MLP and the next layer's first norm run on the same rows by the same thread (static schedule).
+ * `layer_ptrs` holds each layer's 8 addresses: norm1, norm2, q/k/v, o, gate/up and down panels, K pool, V
+ * pool. `work` holds the intermediates: n · (H + (hq + 2·hkv)·D + hq·D + hkv·D + hq·D + H + 2·inter + inter
+ * + H) floats. No bias, no q/k norm, no window, no soft-cap. */
+/* x[i] += y[i], a residual */
+static inline void add_row(float *x, const float *y, long dim) {
+#pragma omp simd
+    for (long i = 0; i < dim; ++i) x[i] += y[i];
+}
+
+void decode_layers(float *x, long n, long H, long layers, const int64_t *layer_ptrs, float eps, long hq, long hkv,
+                   long dim, long inter, const float *cos, const float *sin, const int64_t *out_slots,
+                   const int32_t *table, long table_stride, const int64_t *rows, const int32_t *kv_lens, long max_len,
+                   float scale, float *work, int threads) {
+    const long qkv_cols = (hq + 2 * hkv) * dim, kv_row = hkv * dim, G = hq / hkv, items = n * hkv;
+    const long stride = max_len + 8;
     float *h = work, *qkv = h + n * H, *q = qkv + n * qkv_cols, *k = q + n * hq * dim, *att = k + n * kv_row;
     float *o = att + n * hq * dim, *gu = o + n * H, *act = gu + n * 2 * inter, *down = act + n * inter;
+    struct team_barrier barrier = {0};
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (long r = 0; r < n; ++r) rms_norm_row(x + r * H, norm1, h + r * H, H, eps);
-        panel_matmul_shared(h, H, qkv_panels, qkv, n, H, qkv_cols);
-#pragma omp for schedule(static)
-        for (long r = 0; r < n; ++r) {
-            const float *row = qkv + r * qkv_cols;
-            rotary_row(row, cos + r * dim, sin + r * dim, q + r * hq * dim, hq, dim, 0);
-            rotary_row(row + hq * dim, cos + r * dim, sin + r * dim, k + r * kv_row, hkv, dim, 0);
-            memcpy(k_pool + out_slots[r] * kv_row, k + r * kv_row, sizeof(float) * kv_row);
-            memcpy(v_pool + out_slots[r] * kv_row, row + (hq + hkv) * dim, sizeof(float) * kv_row);
+        const int team = omp_get_num_threads();
+        float *scores = malloc(sizeof(float) * (size_t)(G * stride));
+        for (long l = 0; l < layers; ++l) {
+            const int64_t *at = layer_ptrs + 8 * l;
+            const float *norm1 = (const float *)at[0], *norm2 = (const float *)at[1];
+            const float *qkv_panels = (const float *)at[2], *o_panels = (const float *)at[3];
+            const float *gu_panels = (const float *)at[4], *down_panels = (const float *)at[5];
+            float *k_pool = (float *)at[6], *v_pool = (float *)at[7];
+            /* the previous layer's MLP residual, then this layer's first norm */
+#pragma omp for schedule(static) nowait
+            for (long r = 0; r < n; ++r) {
+                if (l > 0) add_row(x + r * H, down + r * H, H);
+                rms_norm_row(x + r * H, norm1, h + r * H, H, eps);
+            }
+            team_barrier_wait(&barrier, team);
+            panel_matmul_shared(h, H, qkv_panels, qkv, n, H, qkv_cols);
+            team_barrier_wait(&barrier, team);
+#pragma omp for schedule(dynamic, 1) nowait
+            for (long item = 0; item < items; ++item) {
+                const long g = item / n, i = item % n, L = kv_lens[i];
+                const float *row = qkv + i * qkv_cols, *c = cos + i * dim, *s = sin + i * dim;
+                float *qh = q + (i * hq + g * G) * dim, *kh = k + i * kv_row + g * dim;
+                rotary_row(row + g * G * dim, c, s, qh, G, dim, 0);
+                rotary_row(row + (hq + g) * dim, c, s, kh, 1, dim, 0);
+                memcpy(k_pool + out_slots[i] * kv_row + g * dim, kh, sizeof(float) * dim);
+                memcpy(v_pool + out_slots[i] * kv_row + g * dim, row + (hq + hkv + g) * dim, sizeof(float) * dim);
+                const int32_t *slots = table + rows[i] * table_stride;
+                decode_scores(qh, G, k_pool, slots, L, hkv, g, dim, scale, scores, stride);
+                for (long j = 0; j < G; ++j) softmax_in_place(scores + j * stride, L);
+                decode_values_heads(scores, G, stride, v_pool, slots, L, hkv, g, dim, att + (i * hq + g * G) * dim);
+            }
+            team_barrier_wait(&barrier, team);
+            panel_matmul_shared(att, hq * dim, o_panels, o, n, hq * dim, H);
+            team_barrier_wait(&barrier, team);
+#pragma omp for schedule(static) nowait
+            for (long r = 0; r < n; ++r) {
+                add_row(x + r * H, o + r * H, H);
+                rms_norm_row(x + r * H, norm2, h + r * H, H, eps);
+            }
+            team_barrier_wait(&barrier, team);
+            panel_matmul_shared(h, H, gu_panels, gu, n, H, 2 * inter);
+            team_barrier_wait(&barrier, team);
+#pragma omp for schedule(static) nowait
+            for (long r = 0; r < n; ++r)
+                swiglu_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, act + r * inter, inter);
+            team_barrier_wait(&barrier, team);
+            panel_matmul_shared(act, inter, down_panels, down, n, inter, H);
+            team_barrier_wait(&barrier, team);
         }
-        decode_attention_shared(q, k_pool, v_pool, table, table_stride, rows, kv_lens, att, n, hq, hkv, dim, scale,
-                                max_len, 0, 0.0f);
-        panel_matmul_shared(att, hq * dim, o_panels, o, n, hq * dim, H);
-#pragma omp for schedule(static)
-        for (long r = 0; r < n; ++r) {
-            float *xr = x + r * H;
-            const float *orow = o + r * H;
-            for (long i = 0; i < H; ++i) xr[i] += orow[i];
-            rms_norm_row(xr, norm2, h + r * H, H, eps);
-        }
-        panel_matmul_shared(h, H, gu_panels, gu, n, H, 2 * inter);
-#pragma omp for schedule(static)
-        for (long r = 0; r < n; ++r) swiglu_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, act + r * inter, inter);
-        panel_matmul_shared(act, inter, down_panels, down, n, inter, H);
-#pragma omp for schedule(static)
-        for (long r = 0; r < n; ++r) {
-            float *xr = x + r * H;
-            const float *drow = down + r * H;
-            for (long i = 0; i < H; ++i) xr[i] += drow[i];
-        }
+#pragma omp for schedule(static) nowait
+        for (long r = 0; r < n; ++r) add_row(x + r * H, down + r * H, H);
+        free(scores);
     }
 }
 

@@ -44,11 +44,23 @@ WIDE_HEADS = dataclasses.replace(ModelConfig.from_name("debug"), hidden_size=256
                                  num_key_value_heads=2, head_dim=64, intermediate_size=352)
 
 
-@pytest.mark.parametrize("shape", ["debug", "wide heads"])
-def test_same_logprobs_as_the_module_path(shape, model, wide_model, make_engine, monkeypatch):
+@pytest.fixture
+def threads(request):
+    """torch's thread count for one test (the one-call layers' threads meet at their own barriers: with more
+    threads than cores, some wait asleep)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("shape, threads", [("debug", 2), ("wide heads", 2), ("wide heads", 1), ("wide heads", 5)],
+                         indirect=["threads"])
+def test_same_logprobs_as_the_module_path(shape, threads, model, wide_model, make_engine, monkeypatch):
     """Greedy decoding of ragged prompts, some sharing a prefix, with a page size that splits contexts across
     pages and a step budget that makes some steps mixed (those run the modules): every token, its
-    log-probability and the top-4 alternatives equal the module path's exactly."""
+    log-probability and the top-4 alternatives equal the module path's exactly, on one thread, two, and
+    more threads than this machine has cores."""
     net = model if shape == "debug" else wide_model(WIDE_HEADS)
     steps = _steps(monkeypatch)
     prompts = _prompts(net.config.vocab_size, 12)
