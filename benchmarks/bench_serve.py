@@ -9,7 +9,7 @@ own). Each worker times its own runs: the wall clock, and the CPU time of its wh
 runs a front end, an engine core and a model worker process). Runs alternate in ABBA order (ours, vLLM, vLLM,
 ours, …), each starting once the side before it has gone quiet (vLLM's processes keep a core busy for about a
 second after `LLM.generate` returns; the run after it shared the machine with them, ours 1.07 s instead of
-0.70 s for the ragged prompts' prefill); the ratio is the median per-round ratio vLLM time / our time, above 1:
+0.73 s for the ragged prompts' prefill); the ratio is the median per-round ratio vLLM time / our time, above 1:
 we are faster (harness.py).
 
 Parts (`--parts`, all by default):
@@ -80,6 +80,18 @@ class Process:
     def pid(self) -> int:
         return self.proc.pid
 
+    def settle(self, idle_share: float = 0.05, tick: float = 0.1, limit: float = 10.0) -> None:
+        """Return once this side's processes use under `idle_share` of a core over a `tick` (at most `limit`
+        seconds): vLLM's keep one core busy for about a second after `LLM.generate` returns, and the side
+        measured next would share the machine with them."""
+        last, end = tree_cpu(self.pid), time.perf_counter() + limit
+        while time.perf_counter() < end:
+            time.sleep(tick)
+            now = tree_cpu(self.pid)
+            if now - last < idle_share * tick:
+                return
+            last = now
+
     def tail(self, lines: int = 15) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
@@ -134,17 +146,6 @@ class Worker(Process):
         self.settle()
         return Sample(reply["wall"], reply["cpu"]), reply["tokens"], reply["logprobs"]
 
-    def settle(self, idle_share: float = 0.05, tick: float = 0.1, limit: float = 10.0) -> None:
-        """Return once this worker's processes use under `idle_share` of a core over a `tick` (at most `limit`
-        seconds): vLLM's keep one core busy for about a second after `LLM.generate` returns, and the side
-        measured next would share the machine with them."""
-        last, end = tree_cpu(self.pid), time.perf_counter() + limit
-        while time.perf_counter() < end:
-            time.sleep(tick)
-            now = tree_cpu(self.pid)
-            if now - last < idle_share * tick:
-                return
-            last = now
 
     def close(self, grace: float = 20) -> None:
         if self.proc.poll() is None:
@@ -390,7 +391,9 @@ class Server(Process):
             cpu = tree_cpu(self.pid)
             got = asyncio.run(load_round(self.url, model, prompts, concurrency, requests, self.key, NEW_TOKENS))
             results.append(got)
-            return Sample(got["wall"], tree_cpu(self.pid) - cpu)
+            sample = Sample(got["wall"], tree_cpu(self.pid) - cpu)
+            self.settle()
+            return sample
         return run
 
 
