@@ -8,12 +8,14 @@
  */
 #define _GNU_SOURCE /* syscall, clock_gettime */
 #include <limits.h>
-#include <linux/futex.h>
 #include <math.h>
 #include <stdatomic.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -60,7 +62,9 @@ static void team_barrier_wait(struct team_barrier *b, int threads) {
     if (atomic_fetch_add(&b->arrived, 1) == threads - 1) { /* the last one in lets the others go */
         atomic_store(&b->arrived, 0);
         atomic_fetch_add(&b->generation, 1);
+#if defined(__linux__)
         if (atomic_load(&b->sleepers) > 0) syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#endif
         return;
     }
     const long deadline = now_ns() + BARRIER_SPIN_NS;
@@ -72,8 +76,14 @@ static void team_barrier_wait(struct team_barrier *b, int threads) {
     /* sleepers is raised before the generation is read again in the kernel, and the last one in raises the
      * generation before it reads sleepers (both sequentially consistent): one of the two sees the other */
     atomic_fetch_add(&b->sleepers, 1);
-    while (atomic_load(&b->generation) == generation)
+    while (atomic_load(&b->generation) == generation) {
+#if defined(__linux__)
         syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, generation, NULL, NULL, 0);
+#else /* no futex: sleep in short naps */
+        const struct timespec nap = {0, 20000};
+        nanosleep(&nap, NULL);
+#endif
+    }
     atomic_fetch_sub(&b->sleepers, 1);
 }
 
