@@ -225,8 +225,8 @@ def test_panel_matmul_takes_empty_inputs_and_leaves_autocast_to_pytorch():
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16, 64])
-# one block of k; three, the last ragged (K_BLOCK 64); fewer than the 4 k steps a tile takes at a time; 4s and 3 over
-@pytest.mark.parametrize("inputs", [40, 64 * 2 + 13, 3, 64 + 7])
+# one block of k; three, the last ragged (K_BLOCK 128); fewer than the 4 k steps a tile takes at a time; 4s and 3 over
+@pytest.mark.parametrize("inputs", [40, 128 * 2 + 13, 3, 128 + 7])
 def test_panel_matmul_matches_linear_for_every_tile_and_a_ragged_last_panel(rows, inputs):
     """Every tile height (1-6 rows, then blocks of 6) and width, a last panel of 8 + 29 columns, and inputs
     summed over several k-blocks (each block's partial sums carried into the next)."""
