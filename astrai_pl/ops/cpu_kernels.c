@@ -494,6 +494,19 @@ static void softcap_in_place(float *s, long L, float cap) {
 }
 
 /* The work of paged_decode_attention, shared out among the threads of the region it is called from. */
+/* One attention item: the G query heads at qh (G, dim) of kv head h over the L keys at `slots`, into out (G, dim);
+ * `scores` a buffer of G rows `stride` apart; cap > 0 soft-caps the scores first. */
+static void attend_kv_head(const float *qh, long G, const float *k_pool, const float *v_pool, const int32_t *slots,
+                           long L, long hkv, long h, long dim, float scale, float cap, float *scores, long stride,
+                           float *out) {
+    decode_scores(qh, G, k_pool, slots, L, hkv, h, dim, scale, scores, stride);
+    for (long g = 0; g < G; ++g) {
+        if (cap > 0.0f) softcap_in_place(scores + g * stride, L, cap);
+        softmax_in_place(scores + g * stride, L);
+    }
+    decode_values_heads(scores, G, stride, v_pool, slots, L, hkv, h, dim, out);
+}
+
 static void decode_attention_shared(const float *q, const float *k_pool, const float *v_pool, const int32_t *table,
                                     long table_stride, const int64_t *rows, const int32_t *kv_lens, float *out, long n,
                                     long hq, long hkv, long dim, float scale, long max_len, long window, float cap) {
@@ -504,13 +517,8 @@ static void decode_attention_shared(const float *q, const float *k_pool, const f
         const long h = item / n, i = item % n, start = window > 0 && kv_lens[i] > window ? kv_lens[i] - window : 0;
         const long L = kv_lens[i] - start;
         const int32_t *slots = table + rows[i] * table_stride + start;
-        const float *qh = q + (i * hq + h * G) * dim;
-        decode_scores(qh, G, k_pool, slots, L, hkv, h, dim, scale, scores, stride);
-        for (long g = 0; g < G; ++g) {
-            if (cap > 0.0f) softcap_in_place(scores + g * stride, L, cap);
-            softmax_in_place(scores + g * stride, L);
-        }
-        decode_values_heads(scores, G, stride, v_pool, slots, L, hkv, h, dim, out + (i * hq + h * G) * dim);
+        attend_kv_head(q + (i * hq + h * G) * dim, G, k_pool, v_pool, slots, L, hkv, h, dim, scale, cap, scores, stride,
+                       out + (i * hq + h * G) * dim);
     }
     free(scores);
 }
@@ -524,6 +532,12 @@ void paged_decode_attention(const float *q, const float *k_pool, const float *v_
 #pragma omp parallel num_threads(threads)
     decode_attention_shared(q, k_pool, v_pool, table, table_stride, rows, kv_lens, out, n, hq, hkv, dim, scale, max_len,
                             window, cap);
+}
+
+/* x[i] += y[i], a residual */
+static inline void add_row(float *x, const float *y, long dim) {
+#pragma omp simd
+    for (long i = 0; i < dim; ++i) x[i] += y[i];
 }
 
 /* ---- the decoder layers of a decode step, in one call ---------------------------------------------
@@ -541,12 +555,6 @@ void paged_decode_attention(const float *q, const float *k_pool, const float *v_
  * `layer_ptrs` holds each layer's 8 addresses: norm1, norm2, q/k/v, o, gate/up and down panels, K pool, V
  * pool. `work` holds the intermediates: n · (H + (hq + 2·hkv)·D + hq·D + hkv·D + hq·D + H + 2·inter + inter
  * + H) floats. No bias, no q/k norm, no window, no soft-cap. */
-/* x[i] += y[i], a residual */
-static inline void add_row(float *x, const float *y, long dim) {
-#pragma omp simd
-    for (long i = 0; i < dim; ++i) x[i] += y[i];
-}
-
 void decode_layers(float *x, long n, long H, long layers, const int64_t *layer_ptrs, float eps, long hq, long hkv,
                    long dim, long inter, const float *cos, const float *sin, const int64_t *out_slots,
                    const int32_t *table, long table_stride, const int64_t *rows, const int32_t *kv_lens, long max_len,
@@ -584,10 +592,8 @@ void decode_layers(float *x, long n, long H, long layers, const int64_t *layer_p
                 rotary_row(row + (hq + g) * dim, c, s, kh, 1, dim, 0);
                 memcpy(k_pool + out_slots[i] * kv_row + g * dim, kh, sizeof(float) * dim);
                 memcpy(v_pool + out_slots[i] * kv_row + g * dim, row + (hq + hkv + g) * dim, sizeof(float) * dim);
-                const int32_t *slots = table + rows[i] * table_stride;
-                decode_scores(qh, G, k_pool, slots, L, hkv, g, dim, scale, scores, stride);
-                for (long j = 0; j < G; ++j) softmax_in_place(scores + j * stride, L);
-                decode_values_heads(scores, G, stride, v_pool, slots, L, hkv, g, dim, att + (i * hq + g * G) * dim);
+                attend_kv_head(qh, G, k_pool, v_pool, table + rows[i] * table_stride, L, hkv, g, dim, scale, 0.0f, scores,
+                               stride, att + (i * hq + g * G) * dim);
             }
             team_barrier_wait(&barrier, team);
             panel_matmul_shared(att, hq * dim, o_panels, o, n, hq * dim, H);
