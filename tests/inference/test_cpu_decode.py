@@ -143,3 +143,39 @@ def test_adapters_and_hooks_run_the_modules(model, make_engine, reference_greedy
     assert steps and not any(took for _, took in steps)
     assert calls == [3, 1, 1, 1]  # the prompt, then each decode step
     assert out.token_ids == reference_greedy(model, [5, 6, 7], 4)
+
+
+def test_changes_between_steps_of_one_engine_are_seen(model, make_engine, reference_greedy, monkeypatch):
+    """The one-call layer keeps what it read of the module tree from step to step: on one engine, a hook
+    registered after it took steps, then an adapter swapped in, are seen at the next step (the modules run,
+    the hook fires on every step), and once both are gone it takes the steps again."""
+    steps = _steps(monkeypatch)
+    model = copy.deepcopy(model)
+    engine = make_engine(model)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    engine.generate([[5, 6, 7]], params)
+    assert steps and all(took for rows, took in steps if rows == 1)
+    steps.clear()
+    calls = []
+    handle = model.layers[-1].self_attn.o_proj.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        out = engine.generate([[5, 6, 7]], params)[0]
+    finally:
+        handle.remove()
+    assert steps and not any(took for _, took in steps) and len(calls) == 4
+    assert out.token_ids == reference_greedy(model, [5, 6, 7], 4)
+    steps.clear()
+    plain = [block.self_attn.q_proj for block in model.layers]
+    apply_lora(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    assert all(block.self_attn.q_proj is not q for block, q in zip(model.layers, plain))
+    with torch.no_grad():
+        for block in model.layers:  # a non-zero adapter: the module path's output differs from the base's
+            block.self_attn.q_proj.lora_B.weight.normal_(0.0, 0.5)
+    out = engine.generate([[5, 6, 7]], params)[0]
+    assert steps and not any(took for _, took in steps)
+    assert out.token_ids == reference_greedy(model, [5, 6, 7], 4)
+    steps.clear()
+    for block, q in zip(model.layers, plain):
+        block.self_attn.q_proj = q
+    engine.generate([[5, 6, 7]], params)
+    assert steps and all(took for rows, took in steps if rows == 1)
