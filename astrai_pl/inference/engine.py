@@ -365,8 +365,11 @@ class Engine(StepRecovery):
         if not batch:
             return []
         reqs = [req for req, _ in batch]
+        # the forward's logits as they are when the batch is its ready requests in order (the usual step): a
+        # stacked copy of their rows cost 1.3 ms a step at a 49k vocabulary
+        same = len(reqs) == len(ready) and all(a is b for a, b in zip(reqs, ready))
         tokens, logprobs, top = sample(
-            torch.stack([row for _, row in batch]),
+            logits if same else torch.stack([row for _, row in batch]),
             [r.params for r in reqs],
             [r.tokens for r in reqs],
             [len(r.tokens) - r.num_prompt for r in reqs],
