@@ -391,9 +391,9 @@ static inline vec8 lane_sums8(const vec8 *a) {
 /* scores[g·stride + t] = scale · q_g·k_t for the G queries at q (G, dim) and keys t < L of kv head h. While it
  * scores a key it asks for that key's value row in v_pool (kv head h) to come into L2: the values pass that follows
  * then finds them there instead of waiting on memory for each. Asking for them in L1 instead, or for the keys ahead
- * as well, was slower; with the values alone the decode attention over 16 requests of 80-264 keys took 0.74-0.81x
- * the time at the SmolLM2-135M shape's heads (9 on 3, 30 layers) and 0.85-0.89x at `small`'s (8 on 2, 8 layers) on
- * a Zen 4 core (in-process A/B of the two builds, 30 interleaved rounds, two runs each). */
+ * as well, was slower; with the values alone the decode attention over 16 requests of 80-264 keys, every layer in
+ * turn, took 0.74-0.81x the time at the SmolLM2-135M shape's heads (9 on 3, 30 layers) and 0.85-0.89x at `small`'s
+ * (8 on 2, 8 layers) on a Zen 4 machine (in-process A/B of the two builds, 30 interleaved rounds, two runs each). */
 static void decode_scores(const float *q, long G, const float *k_pool, const float *v_pool, const int32_t *slots,
                           long L, long hkv, long h, long dim, float scale, float *scores, long stride) {
     const long chunks = dim / 8;
