@@ -58,16 +58,15 @@ def unsupported(model) -> str | None:
 
 
 def _structure(block) -> tuple:
-    """The modules a block's one-call layer stands for, as they are now: its children and theirs (the norms,
-    attention and MLP, and the projections inside them). Replacing any of them (an adapter) changes it."""
-    return (tuple(block._modules.values()), tuple(block.self_attn._modules.values()),
+    """The modules a block's one-call layer stands for, as they are now: the block, its children and theirs (the
+    norms, attention and MLP, and the projections inside them). Replacing any of them (an adapter) changes it."""
+    return (block, tuple(block._modules.values()), tuple(block.self_attn._modules.values()),
             tuple(block.mlp._modules.values()))
 
 
 def _plain(linear) -> bool:
-    """A Linear the panels stand for: no adapter (a subclass), no bias, a plain float32-capable weight."""
-    params = linear._parameters
-    return type(linear) is Linear and params.get("bias") is None and type(params.get("weight")) in _PLAIN
+    """A Linear the panels stand for: no adapter (a subclass), no bias (a parameter or not), a plain weight."""
+    return type(linear) is Linear and linear.bias is None and type(linear.weight) in _PLAIN
 
 
 class CpuDecode:
@@ -83,6 +82,7 @@ class CpuDecode:
                              cpu_ops.panels_shape(2 * inter, hidden), cpu_ops.panels_shape(hidden, inter))
         self.work: torch.Tensor | None = None
         self._structure: list[tuple] | None = None  # what _blocks' lists were made from
+        self._unsupported: str | None = None  # why the blocks as they are now cannot take this path
         self._linears: list[tuple] = []
         self._modules: list[torch.nn.Module] = []
 
@@ -102,13 +102,13 @@ class CpuDecode:
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return None
         blocks = self._blocks()
-        if any(m._forward_hooks or m._forward_pre_hooks for m in self._modules):
+        if self._unsupported is not None or any(m._forward_hooks or m._forward_pre_hooks for m in self._modules):
             return None
         out = []
         for block, linears in blocks:
             if not all(_plain(lin) for lin in linears):
                 return None
-            attn_q, attn_k, attn_v, attn_o, gate, up, down = (lin._parameters["weight"] for lin in linears)
+            attn_q, attn_k, attn_v, attn_o, gate, up, down = (lin.weight for lin in linears)
             panels = (weights.get(attn_q, attn_k, attn_v), weights.get(attn_o), weights.get(gate, up),
                       weights.get(down))
             if any(p is None or tuple(p.shape) != shape for p, shape in zip(panels, self.panel_shapes)):
@@ -119,10 +119,12 @@ class CpuDecode:
 
     def _blocks(self) -> list[tuple]:
         """Each block with its seven projections, and every module of every block in `_modules` (for the hook
-        check), made again whenever a block's structure is not the one they were made from."""
+        check), made again whenever a block's structure is not the one they were made from; then also whether
+        the blocks are still plain Llama ones (`_unsupported`: a norm or MLP of another kind swapped in)."""
         structure = [_structure(block) for block in self.model.layers]
         if structure != self._structure:
             self._structure = structure
+            self._unsupported = unsupported(self.model)
             self._linears = []
             for block in self.model.layers:
                 attn, mlp = block.self_attn, block.mlp

@@ -11,7 +11,9 @@ from astrai_pl.inference import SamplingParams
 from astrai_pl.inference import cpu_decode as cpu_decode_module
 from astrai_pl.inference.cpu_decode import unsupported
 from astrai_pl.model import ModelConfig, Transformer
+from astrai_pl.model.layers import RMSNorm
 from astrai_pl.model.lora import LoraConfig, apply_lora
+from astrai_pl.model.transformer import Block
 from astrai_pl.ops import cpu as cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the fused CPU kernels do not build here")
@@ -179,3 +181,39 @@ def test_changes_between_steps_of_one_engine_are_seen(model, make_engine, refere
         block.self_attn.q_proj = q
     engine.generate([[5, 6, 7]], params)
     assert steps and all(took for rows, took in steps if rows == 1)
+
+
+class _ShiftedNorm(RMSNorm):
+    """An RMSNorm that adds one: a norm of another kind than the one-call layer computes."""
+
+    def forward(self, x):
+        return super().forward(x) + 1.0
+
+
+def test_blocks_swapped_in_a_running_engine_are_seen(model, make_engine, reference_greedy, monkeypatch):
+    """A block replaced by a new one over the same children, with a pre-hook that changes its input, and a norm
+    of another kind swapped into a block: the next steps run the modules and match them."""
+    steps = _steps(monkeypatch)
+    model = copy.deepcopy(model)
+    engine = make_engine(model)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    engine.generate([[5, 6, 7]], params)
+    old = model.layers[0]
+    new = Block.__new__(Block)
+    torch.nn.Module.__init__(new)
+    for name, child in old._modules.items():
+        new.add_module(name, child)
+    new.register_forward_pre_hook(lambda module, args: (args[0] * 0.5, *args[1:]))
+    model.layers[0] = new
+    steps.clear()
+    out = engine.generate([[5, 6, 7]], params)[0]
+    assert steps and not any(took for _, took in steps)
+    assert out.token_ids == reference_greedy(model, [5, 6, 7], 4)
+    model.layers[0] = old
+    shifted = _ShiftedNorm(model.config.hidden_size, old.post_attention_layernorm.eps)
+    shifted.load_state_dict(old.post_attention_layernorm.state_dict())
+    model.layers[1].post_attention_layernorm = shifted
+    steps.clear()
+    out = engine.generate([[5, 6, 7]], params)[0]
+    assert steps and not any(took for _, took in steps)
+    assert out.token_ids == reference_greedy(model, [5, 6, 7], 4)
