@@ -13,9 +13,12 @@ K/V are gathered a page at a time (a page's slots are contiguous): the same byte
 with page_size× fewer indices. Pages longer than `max_gather_page` (the contiguous layout) are gathered
 token by token, so only the context is copied.
 
-On CPU in float32, where the fused CPU kernels build, the decodes go to `cpu_ops.paged_decode_attention`
-instead: it reads each request's K/V where they lie in the pool (through req_to_token), so nothing is
-gathered or mirrored, and requests sharing prefix pages read them from cache after the first one.
+On CPU in float32, where the fused CPU kernels build, the step's tokens go to `cpu_ops.paged_decode_attention`
+instead, in one call per layer: each token, a decode or one of a prompt chunk's, is a query over its request's
+positions up to its own, read where they lie in the pool (through req_to_token; the step's K/V are stored
+first), so nothing is gathered, padded or mirrored, and requests sharing prefix pages read them from cache
+after the first one. Only whole prompts longer than `KERNEL_PROMPT_TOKENS` keep SDPA's causal attention, which
+blocks long ones better than the kernel's query at a time.
 
 Elsewhere, while the same requests keep decoding, their contexts are not gathered again every step: a
 `DecodeMirror` keeps dense copies, built with one gather once a decode batch has stayed the same for
@@ -42,6 +45,9 @@ from ..ops import cpu as cpu_ops
 from .step_view import StepView
 
 MIRROR_BYTES = 256 * 1024**2  # above this the decode group is gathered every step instead
+# On the CPU kernel, whole prompts longer than this take SDPA's causal attention instead (at 2,000 tokens the kernel,
+# a query at a time, took 1.3x SDPA's time; at 16 prompts of 16-200, half of it; even near 1,000)
+KERNEL_PROMPT_TOKENS = 1024
 
 
 @dataclass
@@ -77,7 +83,8 @@ class _Group:
     mirror: DecodeMirror | None = None  # decode group read from dense copies instead of the pool
     new_rows: torch.Tensor | None = None  # (n·Hkv,) rows of a mirror layer seen as (n·Hkv·capacity, D) where
     # this step's K/V go: one index_copy_ per layer instead of an advanced-index store
-    kv_lens: torch.Tensor | None = None  # (n,) int32: a decode group the CPU kernel reads from the pool
+    kv_lens: torch.Tensor | None = None  # (n,) int32: tokens the CPU kernel attends, each over this many positions
+    token_rows: torch.Tensor | None = None  # (n,) int64: the req_to_token row of each of those tokens
     q_pos: torch.Tensor | None = None  # position of each mask row's query, broadcastable to the mask
     windowed: dict | None = None  # window -> the mask narrowed to it, made on first use in a step
     spans: list[tuple[int, int]] | None = None  # every member starts at position 0 (no prefix): where each one's
@@ -105,17 +112,20 @@ class TorchBackend:
     def prepare(self, view: StepView, num_q_heads: int) -> tuple[int, list[_Group]]:
         group_size = num_q_heads // view.storage.k.shape[2]
         unit = view.page_size if view.page_size <= self.max_gather_page else 1
+        extend = range(view.num_decode, len(view.extend_lens))
+        if _kernel_reads_pool(view):  # no gather, no mirror: the kernel reads each context where it lies
+            sdpa = [i for i in extend if not view.prefix_lens[i] and view.extend_lens[i] > KERNEL_PROMPT_TOKENS]
+            kernel = [i for i in range(len(view.extend_lens)) if i not in sdpa]
+            groups = [_kernel_group(view, kernel)] if kernel else []
+            return unit, groups + [self._extend_group(view, m, group_size, unit) for m in _bucket(view.extend_lens, sdpa)]
         groups = [self._decode_group(view, unit)] if view.num_decode else []
-        for members in _bucket(view.extend_lens, view.num_decode):
+        for members in _bucket(view.extend_lens, list(extend)):
             groups.append(self._extend_group(view, members, group_size, unit))
         return unit, groups
 
     def _decode_group(self, view: StepView, unit: int) -> _Group:
         nd = view.num_decode
         kv_lens = view.kv_lens[:nd]
-        if _kernel_reads_pool(view):  # no gather, no mirror: the kernel reads each context where it lies
-            lens = torch.tensor(kv_lens, dtype=torch.int32)
-            return _Group(None, None, None, None, None, max(kv_lens), kv_lens=lens)
         lens = torch.tensor(kv_lens, device=view.rows.device)
         mirror = _mirror(view, kv_lens)
         width = max(kv_lens) if mirror is not None else -(-max(kv_lens) // unit) * unit
@@ -163,15 +173,16 @@ class TorchBackend:
         G = Hq // Hkv
         out = None if len(groups) == 1 and groups[0].q_index is None else q.new_empty(T, Hq, D)
         for g in groups:
-            if g.kv_lens is not None:  # decode group, CPU kernel: the first n tokens, one per request
-                n = g.kv_lens.shape[0]
-                o = out[:n] if out is not None else None
+            if g.kv_lens is not None:  # the CPU kernel: each of these tokens over its request's context in the pool
+                tokens = g.q_index
                 o = cpu_ops.paged_decode_attention(
-                    q[:n], view.storage.k[layer_idx], view.storage.v[layer_idx], view.req_to_token,
-                    view.rows[:n], g.kv_lens, g.width, out=o, window=window, scale=scale, softcap=softcap,
+                    q if tokens is None else q.index_select(0, tokens), view.storage.k[layer_idx],
+                    view.storage.v[layer_idx], view.req_to_token, g.token_rows, g.kv_lens, g.width,
+                    window=window, scale=scale, softcap=softcap,
                 )
                 if out is None:
                     return o
+                out.index_copy_(0, tokens, o)
                 continue
             if g.spans is not None and window is None and softcap is None:  # whole prompts: causal from position 0
                 for start, length in g.spans:  # each over its own K/V, as this step computed them: no gather, no padding
@@ -275,9 +286,23 @@ def _gather_index(view: StepView, rows: torch.Tensor, width: int, unit: int) -> 
     return slots if unit == 1 else slots // unit
 
 
-def _bucket(extend_lens: list[int], start: int, max_waste: float = 2.0) -> list[list[int]]:
-    """Group multi-token requests (indices ≥ start) so padding to the longest costs at most `max_waste`×."""
-    order = sorted(range(start, len(extend_lens)), key=lambda i: -extend_lens[i])
+def _kernel_group(view: StepView, members: list[int]) -> _Group:
+    """The tokens of `members` (requests of the step) as queries of the CPU kernel: each one over its request's
+    positions up to its own, read where they lie in the pool (this step's K/V are stored before attention)."""
+    ext = torch.tensor([view.extend_lens[i] for i in members])
+    at = torch.tensor([view.prefix_lens[i] for i in members]) - view.qo_indptr[members].to(torch.int64)
+    tokens = torch.cat([torch.arange(int(view.qo_indptr[i]), int(view.qo_indptr[i]) + view.extend_lens[i])
+                        for i in members])
+    kv_lens = (tokens + at.repeat_interleave(ext) + 1).to(torch.int32)  # each token's position + 1
+    rows = view.rows[members].to(torch.int64).repeat_interleave(ext)
+    contiguous = int(tokens[0]) == 0 and len(tokens) == int(view.qo_indptr[-1])
+    return _Group(None, None, None if contiguous else tokens, None, None, int(kv_lens.max()), kv_lens=kv_lens,
+                  token_rows=rows)
+
+
+def _bucket(extend_lens: list[int], members: list[int], max_waste: float = 2.0) -> list[list[int]]:
+    """Group multi-token requests (`members`) so padding to the longest costs at most `max_waste`×."""
+    order = sorted(members, key=lambda i: -extend_lens[i])
     buckets: list[list[int]] = []
     for i in order:
         if buckets:

@@ -5,10 +5,11 @@ import threading
 import pytest
 import torch
 
-from astrai_pl.inference import BackendUnavailable
+from astrai_pl.inference import BackendUnavailable, torch_backend
 from astrai_pl.inference.backends import CudaBackend, StepView, TorchBackend, attn_backend, select_backend
 from astrai_pl.inference.cache import KVStorage, ReqToTokenPool
 from astrai_pl.inference.pool import KVPool
+from astrai_pl.ops import cpu as cpu_ops
 
 CPU = torch.device("cpu")
 
@@ -78,6 +79,35 @@ def test_ragged_prefill_and_decode_logits_equal_the_no_cache_forward(
         torch.testing.assert_close(
             decode[1], model(torch.tensor([c + [6]])).logits[0, -1:], atol=1e-5, rtol=0
         )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cpu_kernel_and_sdpa_share_a_step(model, random_prompts, page_size, monkeypatch):
+    """On the CPU kernel every token of a step reads its context from the pool, except whole prompts longer than
+    KERNEL_PROMPT_TOKENS (SDPA): a step mixing a decode, a chunk after a prefix and whole prompts on both sides of
+    the limit, in an order that leaves the kernel's tokens apart, equals the no-cache forward."""
+    if not cpu_ops.available():
+        pytest.skip("the fused CPU kernels do not build here")
+    monkeypatch.setattr(torch_backend, "KERNEL_PROMPT_TOKENS", 10)
+    groups = []
+    real = torch_backend._kernel_group
+    monkeypatch.setattr(torch_backend, "_kernel_group", lambda view, members: groups.append(real(view, members))
+                        or groups[-1])
+    pool = make_pool(model, page_size)
+    a, b, c = random_prompts([13, 25, 12], seed=5)
+    pages = {0: [], 1: [], 2: []}
+    a = a + [99]
+    step1 = run_step(model, pool, [(0, pages[0], a, 0, 13), (1, pages[1], b, 0, 5)])  # SDPA, kernel
+    step2 = run_step(model, pool, [(0, pages[0], a, 13, 1), (2, pages[2], c, 0, 12), (1, pages[1], b, 5, 20)])
+    assert [None if g.q_index is None else g.q_index.tolist() for g in groups] == [[13, 14, 15, 16, 17],
+                                                                                  [0, *range(13, 33)]]
+    with torch.no_grad():
+        full = {name: model(torch.tensor([seq])).logits[0] for name, seq in (("a", a), ("b", b), ("c", c))}
+    torch.testing.assert_close(step1[0], full["a"][:13], atol=1e-5, rtol=0)
+    torch.testing.assert_close(step1[1], full["b"][:5], atol=1e-5, rtol=0)
+    torch.testing.assert_close(step2[0], full["a"][13:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(step2[1], full["c"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(step2[2], full["b"][5:], atol=1e-5, rtol=0)
 
 
 def test_view_builds_indptrs_once_for_all_layers(model):
