@@ -72,11 +72,13 @@ class DecodeMirror:
 
 @dataclass
 class _Group:
-    """Requests attended in one padded SDPA call: queries (n, E), keys (n, C)."""
+    """Requests attended together: in one padded SDPA call, queries (n, E) and keys (n, C), or by the CPU kernel
+    (`kv_lens` set), a query per token."""
 
     kv_index: torch.Tensor | None  # (n, C / unit) pages of `unit` slots (padding: a real page, masked)
     mask: torch.Tensor | None  # (n, 1, G·E, C) bool, True = may attend (None for the CPU kernel's group)
-    q_index: torch.Tensor | None  # (n, E) into the step's tokens; None: decode group (E = 1, in order)
+    q_index: torch.Tensor | None  # (n, E) into the step's tokens; None: decode group (E = 1, in order), or the CPU
+    # kernel's group holding every token of the step (else its tokens, (n,))
     out_index: torch.Tensor | None  # (valid,) rows of the flattened (n·E) output that are real tokens
     dst: torch.Tensor | None  # (valid,) where those rows go in the step's output
     width: int  # E
@@ -215,7 +217,7 @@ def _sdpa(q, k, v, mask, scale: float | None, softcap: float | None) -> torch.Te
 
 
 def _kernel_reads_pool(view: StepView) -> bool:
-    """Whether the decode group goes to `cpu_ops.paged_decode_attention` (float32 on CPU, kernels built)."""
+    """Whether the step's tokens go to `cpu_ops.paged_decode_attention` (float32 on CPU, kernels built)."""
     k = view.storage.k
     return cpu_ops.paged_decode_attention_usable(k[0, :1], k[0], view.storage.v[0])
 

@@ -384,8 +384,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            rows: torch.Tensor, kv_lens: torch.Tensor, max_len: int,
                            out: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
                            softcap: float | None = None) -> torch.Tensor:
-    """softmax(q·Kᵀ/√D)·V for q (n, Hq, D), one query per request i over its positions 0 … kv_lens[i]-1
-    (only the last `window` of them when given; `scale` replaces 1/√D; `softcap` caps the scores first),
+    """softmax(q·Kᵀ/√D)·V for q (n, Hq, D), one query per row i (a request's decode, or one token of a prompt
+    chunk) over its request's positions 0 … kv_lens[i]-1 (only the last `window` of them when given; `scale`
+    replaces 1/√D; `softcap` caps the scores first),
     whose slots are req_to_token[rows[i]] in k_pool / v_pool (slots, Hkv, D); query head h·G+g uses kv
     head h. Float32 CPU, no autograd (check `paged_decode_attention_usable` first); `out` (n, Hq, D)
     dense, or a new tensor. rows int64, kv_lens int32 (n,), each in [1, max_len]; req_to_token int32."""
