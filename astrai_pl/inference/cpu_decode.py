@@ -125,11 +125,9 @@ class CpuDecode:
         if structure != self._structure:
             self._structure = structure
             self._unsupported = unsupported(self.model)
-            self._linears = []
-            for block in self.model.layers:
-                attn, mlp = block.self_attn, block.mlp
-                self._linears.append((block, (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                                              mlp.up_proj, mlp.down_proj)))
+            self._linears = [(block, (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj,
+                                      block.self_attn.o_proj, block.mlp.gate_proj, block.mlp.up_proj,
+                                      block.mlp.down_proj)) for block in self.model.layers]
             self._modules = [m for block in self.model.layers for m in block.modules()]
         return self._linears
 

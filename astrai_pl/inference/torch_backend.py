@@ -114,15 +114,15 @@ class TorchBackend:
     def prepare(self, view: StepView, num_q_heads: int) -> tuple[int, list[_Group]]:
         group_size = num_q_heads // view.storage.k.shape[2]
         unit = view.page_size if view.page_size <= self.max_gather_page else 1
-        extend = range(view.num_decode, len(view.extend_lens))
+        extend = list(range(view.num_decode, len(view.extend_lens)))  # the requests SDPA attends
+        groups = []
         if _kernel_reads_pool(view):  # no gather, no mirror: the kernel reads each context where it lies
-            sdpa = [i for i in extend if not view.prefix_lens[i] and view.extend_lens[i] > KERNEL_PROMPT_TOKENS]
-            kernel = [i for i in range(len(view.extend_lens)) if i not in sdpa]
-            groups = [_kernel_group(view, kernel)] if kernel else []
-            return unit, groups + [self._extend_group(view, m, group_size, unit) for m in _bucket(view.extend_lens, sdpa)]
-        groups = [self._decode_group(view, unit)] if view.num_decode else []
-        for members in _bucket(view.extend_lens, list(extend)):
-            groups.append(self._extend_group(view, members, group_size, unit))
+            long_prompts = {i for i in extend if not view.prefix_lens[i] and view.extend_lens[i] > KERNEL_PROMPT_TOKENS}
+            kernel = [i for i in range(len(view.extend_lens)) if i not in long_prompts]
+            groups, extend = [_kernel_group(view, kernel)] if kernel else [], sorted(long_prompts)
+        elif view.num_decode:
+            groups = [self._decode_group(view, unit)]
+        groups += [self._extend_group(view, members, group_size, unit) for members in _bucket(view.extend_lens, extend)]
         return unit, groups
 
     def _decode_group(self, view: StepView, unit: int) -> _Group:
@@ -291,10 +291,11 @@ def _gather_index(view: StepView, rows: torch.Tensor, width: int, unit: int) -> 
 def _kernel_group(view: StepView, members: list[int]) -> _Group:
     """The tokens of `members` (requests of the step) as queries of the CPU kernel: each one over its request's
     positions up to its own, read where they lie in the pool (this step's K/V are stored before attention)."""
-    ext = torch.tensor([view.extend_lens[i] for i in members])
-    at = torch.tensor([view.prefix_lens[i] for i in members]) - view.qo_indptr[members].to(torch.int64)
-    tokens = torch.cat([torch.arange(int(view.qo_indptr[i]), int(view.qo_indptr[i]) + view.extend_lens[i])
-                        for i in members])
+    lens = [view.extend_lens[i] for i in members]
+    starts = view.qo_indptr[members].tolist()
+    tokens = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, lens)])
+    ext = torch.tensor(lens)
+    at = torch.tensor([view.prefix_lens[i] - start for i, start in zip(members, starts)])  # position - token index
     kv_lens = (tokens + at.repeat_interleave(ext) + 1).to(torch.int32)  # each token's position + 1
     rows = view.rows[members].to(torch.int64).repeat_interleave(ext)
     contiguous = int(tokens[0]) == 0 and len(tokens) == int(view.qo_indptr[-1])
