@@ -20,6 +20,7 @@ import torch
 
 from astrai_pl import warning_filters
 from astrai_pl.callbacks.console import ParameterSummary, StepProgressBar, console_settings
+from astrai_pl.callbacks.progress import ProgressLines
 from astrai_pl.cli import lightning_main, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,8 @@ NOISE = (
     "will be deleted",
     "was configured so 1 batch will be used",  # Lightning on limit_val_batches: 1
 )
-STEPS_BAR = r"Epoch 0 +━+ 2/2 "  # the bar at the end of a 2-step run, in optimizer steps at any accumulation
+# Output captured to a pipe gets plain progress lines, not a bar; the closing one counts optimizer steps
+STEPS_DONE = r"\] done: 2 steps in "
 
 
 def run_fit(tmp_path: Path, config: str, *extra: str) -> str:
@@ -62,14 +64,14 @@ def test_a_debug_pretrain_fit_with_wandb_prints_no_noise(tmp_path):
     output = run_fit(tmp_path, "pretrain/debug.yaml", "--wandb.enabled", "true")
     assert "max_steps=2" in output  # the run did run
     assert noise_in(output) == []
-    assert re.search(STEPS_BAR, output), output[-2000:]
+    assert re.search(STEPS_DONE, output), output[-2000:]
 
 
 @pytest.mark.slow
 def test_a_debug_grpo_fit_with_a_summary_prints_no_noise(tmp_path):
     output = run_fit(tmp_path, "grpo/debug.yaml", "--trainer.enable_model_summary", "true")
     assert noise_in(output) == [] and "Total params" in output
-    assert re.search(STEPS_BAR, output), output[-2000:]  # accumulate_grad_batches: 2
+    assert re.search(STEPS_DONE, output), output[-2000:]  # accumulate_grad_batches: 2
 
 
 @pytest.mark.slow
@@ -103,7 +105,7 @@ def test_the_bar_counts_optimizer_steps_and_the_summary_has_no_flops(tmp_path):
     summary_log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
     summary_log.addHandler(handler)
     try:
-        settings = console_settings({"enable_progress_bar": True}, [])
+        settings = console_settings({"enable_progress_bar": True}, [], terminal=True)
         trainer = L.Trainer(max_steps=3, max_epochs=-1, accumulate_grad_batches=2, logger=False,
                             enable_checkpointing=False, default_root_dir=tmp_path, **settings)
         trainer.fit(Regression())
@@ -117,6 +119,23 @@ def test_the_bar_counts_optimizer_steps_and_the_summary_has_no_flops(tmp_path):
     assert "v_num" not in bar.get_metrics(trainer, trainer.lightning_module)
     assert [type(c) for c in trainer.callbacks].count(ParameterSummary) == 1
     assert len(lines) == 1 and "Total params" in lines[0] and "FLOPs" not in lines[0].replace(" ", "")
+
+
+def test_output_that_is_not_a_terminal_gets_progress_lines_instead_of_a_bar(tmp_path, capsys):
+    settings = console_settings({"enable_progress_bar": True}, [], terminal=False)
+    assert settings["enable_progress_bar"] is False
+    trainer = L.Trainer(max_steps=4, max_epochs=-1, logger=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path, **settings)
+    trainer.fit(Regression())
+    assert trainer.progress_bar_callback is None
+    assert [type(c) for c in trainer.callbacks].count(ProgressLines) == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert lines and lines[-1].startswith("[regression] done: 4 steps")  # the closing line of the run
+    # a config that turns the bar off, or names its own progress callback, gets none added
+    assert not any(isinstance(c, ProgressLines) for c in
+                   console_settings({"enable_progress_bar": False}, [], terminal=False)["callbacks"])
+    mine = ProgressLines(name="mine")
+    assert console_settings({}, [mine], terminal=False)["callbacks"].count(mine) == 1
 
 
 def test_the_run_directorys_csv_logger_keeps_quiet_about_its_files(tmp_path, monkeypatch):

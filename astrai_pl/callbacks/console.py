@@ -4,19 +4,23 @@ summary without a FLOPs count. `astrai-pl fit` installs both where the config le
 Lightning's bar counts batches against a total of `max_steps` (`10/5` with two batches per step), shows a
 step-bounded run's epoch as `Epoch 0/-2` (max_epochs -1, minus one) and the logger's version as `v_num`; its
 summary prints `Total FLOPs: 0`, since FLOPs are counted only for a module with an `example_input_array`.
-Configs that name a progress bar or a model summary callback keep theirs. For plain lines fit for a log
-file instead of a bar, see progress.py (ProgressLines).
+Configs that name a progress bar or a model summary callback keep theirs. When standard output is not a
+terminal (a log file, a pipe, a notebook's captured stream) a bar would print nothing readable, so plain
+progress lines (progress.py, ProgressLines) take its place.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichProgressBar
 from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
+
+from .progress import ProgressLines
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")  # where Lightning's summary is logged
 
@@ -85,20 +89,27 @@ def summary_table(columns: list[tuple[str, list[str]]], total_parameters: int, t
     return "\n".join([*rows, rule, *(f"{str(value):<10}{label}" for value, label in totals)])
 
 
-def console_settings(trainer_config: Any, callbacks: list[L.Callback]) -> dict[str, Any]:
+def console_settings(trainer_config: Any, callbacks: list[L.Callback], terminal: bool | None = None) -> dict[str, Any]:
     """Trainer arguments: `callbacks` with StepProgressBar and ParameterSummary added where the trainer config
     leaves the progress bar or the model summary on and gives no callback of that kind (Lightning would add its
-    own); none with `barebones`. With a summary callback in the list, `enable_model_summary` is passed as false: the callback prints the
-    summary all the same, and the flag would only add Lightning's note that it skips its default one."""
-    callbacks = list(callbacks)
+    own); none with `barebones`. `terminal` (default: whether standard output is one) false puts ProgressLines
+    in the bar's place, with the bar off. With a summary callback in the list, `enable_model_summary` is passed
+    as false: the callback prints the summary all the same, and the flag would only add Lightning's note that
+    it skips its default one."""
+    callbacks, settings = list(callbacks), {}
     if trainer_config.get("barebones"):  # Lightning refuses a progress bar or summary there
         return {"callbacks": callbacks}
-    if (trainer_config.get("enable_progress_bar") is not False and importlib.util.find_spec("rich") is not None
-            and not any(isinstance(c, ProgressBar) for c in callbacks)):
-        callbacks.append(StepProgressBar())  # without rich, Lightning's tqdm bar stays
+    terminal = sys.stdout.isatty() if terminal is None else terminal
+    bar_wanted = trainer_config.get("enable_progress_bar") is not False
+    if bar_wanted and not any(isinstance(c, (ProgressBar, ProgressLines)) for c in callbacks):
+        if not terminal:
+            callbacks.append(ProgressLines())
+            settings["enable_progress_bar"] = False
+        elif importlib.util.find_spec("rich") is not None:
+            callbacks.append(StepProgressBar())  # without rich, Lightning's tqdm bar stays
     if trainer_config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary)
                                                                             for c in callbacks):
         callbacks.append(ParameterSummary())
     if any(isinstance(c, ModelSummary) for c in callbacks):
-        return {"callbacks": callbacks, "enable_model_summary": False}
-    return {"callbacks": callbacks}
+        settings["enable_model_summary"] = False
+    return {"callbacks": callbacks, **settings}
