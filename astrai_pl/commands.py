@@ -328,6 +328,8 @@ def _chat_loop(conversation: Conversation, stdin: IO[str], stdout: IO[str], inte
         line = stdin.readline()
         command = line.strip()
         if not line or command == "/exit":
+            if interactive and not line:  # Ctrl-D: the shell's prompt on a line of its own
+                stdout.write("\n")
             return
         if command == "/reset":
             conversation.reset()

@@ -75,3 +75,14 @@ def test_a_reply_is_the_greedy_continuation_of_its_sft_prefix(model):
     [fresh] = Engine(model, tokenizer, max_total_tokens=4096).generate([prefix], SamplingParams(max_tokens=6,
                                                                                                temperature=0))
     assert reply == fresh.text and prefix[0] == tokenizer.bos_token_id
+
+
+def test_ctrl_d_at_the_prompt_ends_the_line():
+    import io
+
+    from astrai_pl.commands import _chat_loop
+
+    for typed, expected in (("", "> \n"), ("/exit\n", "> ")):  # Ctrl-D echoes nothing; /exit echoed its own newline
+        out = io.StringIO()
+        _chat_loop(conversation=None, stdin=io.StringIO(typed), stdout=out, interactive=True)
+        assert out.getvalue() == expected
