@@ -4,8 +4,8 @@ Label convention shared by every objective: `labels` are aligned with `input_ids
 token t itself, or -100 where it is not trained). The logits at position t predict token t + 1, so
 `next_token_labels(labels)` shifts them once; losses take logits and already-shifted targets.
 Per-token log-probabilities of labels under a model (`token_logprobs`) live in `logprobs.py` and are
-re-exported here; the preference and RL losses below take their outputs. KTO, ORPO, SimPO and the
-reward model's Bradley–Terry loss live in `preference_losses.py` and are re-exported here too.
+re-exported here; the preference and RL losses take their outputs. DPO (with TRL's variants), KTO, ORPO,
+SimPO and the reward model's Bradley–Terry loss live in `preference_losses.py` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ import torch.nn.functional as F
 from .logprobs import IGNORE_INDEX, logprobs_from_logits, scored_rows, sequence_logprobs, token_logprobs
 from .options import (
     check_advantage_options,
-    check_dpo_options,
     check_grpo_loss_options,
     check_importance_sampling_options,
 )
-from .preference_losses import bradley_terry_loss, kto_loss, orpo_loss, simpo_loss
+from .preference_losses import bradley_terry_loss, dpo_loss, kto_loss, orpo_loss, simpo_loss
 
 __all__ = [
     "IGNORE_INDEX", "next_token_labels", "cross_entropy", "linear_cross_entropy", "logprobs_from_logits",
@@ -179,72 +178,6 @@ def linear_cross_entropy(
         summed, nll = _LinearCrossEntropy.apply(rows, weight, targets, label_smoothing, chunk_size, need_grad, low)
     denom = tokens.clamp(min=1) if normalizer is None else normalizer
     return summed / denom, {"nll": nll / tokens.clamp(min=1), "tokens": tokens}
-
-
-# -- preference optimisation ------------------------------------------------------------------------
-
-
-def dpo_loss(
-    policy_chosen_logps: torch.Tensor,  # (B,)
-    policy_rejected_logps: torch.Tensor,  # (B,)
-    ref_chosen_logps: torch.Tensor,  # (B,)
-    ref_rejected_logps: torch.Tensor,  # (B,)
-    beta: float = 0.1,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Direct Preference Optimization and its variants, averaged over the batch of pairs.
-
-    Inputs are per-sequence log-probabilities of the response, summed over its tokens (B,). With the
-    log-ratio margin h = (πc − πr) − (rc − rr) (π: policy, r: reference, c/r: chosen/rejected) and
-    ε = label_smoothing:
-
-        sigmoid  −(1 − ε)·log σ(β·h) − ε·log σ(−β·h)                  Rafailov et al., 2023 (DPO);
-                 ε > 0 is conservative DPO (cDPO, Mitchell 2023): labels flipped with probability ε
-        robust   [−(1 − ε)·log σ(β·h) + ε·log σ(−β·h)] / (1 − 2ε)      Chowdhury et al., 2024 (rDPO)
-        ipo      (h − 1/(2β))²                                         Azar et al., 2023 (IPO)
-        hinge    max(0, 1 − β·h)                                       Zhao et al., 2023 (SLiC-HF)
-
-    The names and formulas follow TRL's `DPOConfig.loss_type`, so ported configs keep their meaning.
-    IPO's paper scores sequences by their mean token log-probability; TRL length-normalises before
-    this loss, and so should a caller that wants the paper's IPO — this function takes the numbers
-    as given. ipo and hinge have no label smoothing: ε ≠ 0 there is an error, not silently ignored.
-    The reference log-probabilities are constants (detached here); gradients reach the policy's only.
-
-    Metrics (batch means, detached), with TRL's names: `rewards/chosen` = β·(πc − rc),
-    `rewards/rejected` = β·(πr − rr), `rewards/margins` (their difference), `rewards/accuracies`
-    (fraction of pairs with rewards/chosen > rewards/rejected), `logps/chosen` = πc, `logps/rejected` = πr.
-    """
-    check_dpo_options(beta, loss_type, label_smoothing)
-    shapes = {t.shape for t in (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)}
-    if len(shapes) != 1:
-        raise ValueError(f"the four log-probability tensors must share one shape (B,), got {sorted(shapes)}")
-
-    dtype = torch.promote_types(policy_chosen_logps.dtype, torch.float32)
-    chosen_ratio = policy_chosen_logps.to(dtype) - ref_chosen_logps.to(dtype).detach()  # (B,)
-    rejected_ratio = policy_rejected_logps.to(dtype) - ref_rejected_logps.to(dtype).detach()  # (B,)
-    h = chosen_ratio - rejected_ratio  # (B,)
-    eps = label_smoothing
-    if loss_type == "sigmoid":
-        losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
-    elif loss_type == "robust":
-        losses = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
-    elif loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:  # hinge
-        losses = torch.relu(1 - beta * h)
-
-    with torch.no_grad():
-        chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
-        metrics = {
-            "rewards/chosen": chosen_rewards.mean(),
-            "rewards/rejected": rejected_rewards.mean(),
-            "rewards/accuracies": (chosen_rewards > rejected_rewards).to(dtype).mean(),
-            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-            "logps/chosen": policy_chosen_logps.detach().to(dtype).mean(),
-            "logps/rejected": policy_rejected_logps.detach().to(dtype).mean(),
-        }
-    return losses.mean(), metrics
 
 
 # -- group relative policy optimisation ---------------------------------------------------------------
