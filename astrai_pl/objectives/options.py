@@ -14,7 +14,8 @@ DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge", "exo_pair", "nca_pair", "
                   "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
 DPO_SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")  # the loss types that use label_smoothing
 ADVANTAGE_SCALES = ("group", "batch", "none")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -64,7 +65,9 @@ def check_advantage_options(group_size: int, scale_rewards: str) -> None:
     require(scale_rewards in ADVANTAGE_SCALES, "GRPO.scale_rewards", scale_rewards, f"use one of {ADVANTAGE_SCALES}")
 
 
-def check_grpo_loss_options(loss_type: str, epsilon: float, beta: float, epsilon_high: float | None = None) -> None:
+def check_grpo_loss_options(loss_type: str, epsilon: float, beta: float, epsilon_high: float | None = None,
+                            importance_sampling_level: str = "token",
+                            sapo_temperatures: tuple[float, float] = (1.0, 1.05), entropy_coef: float = 0.0) -> None:
     """The options of GRPO that `grpo_loss` takes."""
     require(epsilon > 0, "GRPO.epsilon", epsilon, "must be > 0; TRL's default is 0.2")
     require(epsilon_high is None or epsilon_high > 0, "GRPO.epsilon_high", epsilon_high,
@@ -74,6 +77,14 @@ def check_grpo_loss_options(loss_type: str, epsilon: float, beta: float, epsilon
         raise ConfigError("GRPO.loss_type='token' was renamed 'dapo' (TRL's name for the mean over every "
                           "completion token of the step); set model.init_args.loss_type: dapo")
     require(loss_type in GRPO_LOSS_TYPES, "GRPO.loss_type", loss_type, f"use one of {GRPO_LOSS_TYPES}")
+    require(loss_type != "cispo" or epsilon_high is not None, "GRPO.epsilon_high", epsilon_high,
+            "loss_type cispo caps the ratio at epsilon_high itself (ScaleRL's ε_max): set it, e.g. 5.0")
+    require(importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "GRPO.importance_sampling_level",
+            importance_sampling_level, f"use one of {IMPORTANCE_SAMPLING_LEVELS} ('sequence' is GSPO)")
+    for name, tau in zip(("sapo_temperature_pos", "sapo_temperature_neg"), sapo_temperatures):
+        require(tau > 0, f"GRPO.{name}", tau, "must be > 0 (TRL's defaults are 1.0 and 1.05)")
+    require(entropy_coef >= 0, "GRPO.entropy_coef", entropy_coef, "must be >= 0 (the weight of the entropy "
+            "bonus); 0 = off")
 
 
 def check_importance_sampling_options(mode: str, clip_max: float | None, clip_min: float | None) -> None:
