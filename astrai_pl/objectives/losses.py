@@ -318,12 +318,13 @@ def grpo_loss(
 
         ℓ_t = w_t · p_t + β · (r − log r − 1)
         p_t = −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A)              grpo, bnpo, dr_grpo, dapo
-        p_t = −sg(min(ρ, ε_high)) · A · logps_t                        cispo (MiniMax, 2025: the clipped ratio
+        p_t = −sg(min(ρ, ε_high)) · A · logps_t                        cispo (MiniMax-M1, 2025: the clipped ratio
                                                                        weighs a REINFORCE term; ε_high is the
                                                                        cap itself, ScaleRL's ε_max, e.g. 5.0)
-        p_t = −σ(τ·(ρ − 1)) · 4/τ · A                                  sapo (Gao et al., 2025: a soft gate in place
-                                                                       of the clip; τ = sapo_temperature_pos
-                                                                       where A > 0, else sapo_temperature_neg)
+        p_t = −σ(τ·(ρ − 1)) · 4/τ · A                                  sapo (Soft Adaptive Policy Optimization,
+                                                                       arXiv 2511.20347: a soft gate in place of
+                                                                       the clip; τ = sapo_temperature_pos where
+                                                                       A > 0, else sapo_temperature_neg)
 
     sg: stop-gradient. importance_sampling_level "sequence" is GSPO (Zheng et al., 2025): one ratio per
     completion, ρ_i = exp(Σ_t m·(logps − old) / Σ_t m), the length-normalised sequence log-ratio, clipped (or

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .options import check_dpo_options, check_kto_options, check_orpo_options, check_reward_options, check_simpo_options
+from .options import (
+    check_dpo_options,
+    check_kto_options,
+    check_orpo_options,
+    check_reward_options,
+    check_simpo_options,
+)
 
 __all__ = ["dpo_loss", "kto_loss", "orpo_loss", "simpo_loss", "bradley_terry_loss", "log1mexp"]
 
@@ -149,7 +155,7 @@ def dpo_loss(
         aot_unpaired  smoothed sigmoid of β·(sort(c) − sort(r))          (AOT, unpaired)
         apo_zero      1 − σ(βc) + σ(βr)                                  D'Oosterlinck et al., 2024 (APO-zero)
         apo_down      σ(βc) + 1 − σ(u)                                   (APO-down)
-        discopop      −log σ(u)·(1 − σ(u/τ)) + e^{−u}·σ(u/τ)            Chris Lu et al., 2024 (DiscoPOP), τ 0.05
+        discopop      −log σ(u)·(1 − σ(u/τ)) + e^{−u}·σ(u/τ)            Lu et al., 2024 (DiscoPOP), τ 0.05
         sft           the chosen responses' token-mean NLL (`chosen_nll`)
         sigmoid_norm  −log σ(β·h̄)                                       (length-normalised DPO)
 

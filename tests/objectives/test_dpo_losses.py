@@ -27,16 +27,6 @@ def case(seed: int = 0):
     return per_token, mask.to(torch.long), ref[:B], ref[B:]
 
 
-class Accelerator:
-    device = torch.device("cpu")
-
-    @staticmethod
-    def gather_for_metrics(x):
-        return x
-
-    gather = gather_for_metrics
-
-
 def trl_dpo(trl_dpo_module, per_token, mask, ref_chosen, ref_rejected, loss_type, loss_weights=None, beta=0.3,
             label_smoothing=0.0, discopop_tau=0.05):
     """TRL's loss: `DPOTrainer._compute_loss` on a stand-in trainer (one process, precomputed reference) whose
@@ -48,7 +38,8 @@ def trl_dpo(trl_dpo_module, per_token, mask, ref_chosen, ref_rejected, loss_type
         return types.SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
 
     stand_in = types.SimpleNamespace(
-        model=types.SimpleNamespace(training=True), accelerator=Accelerator(), aux_loss_enabled=False, ld_alpha=None,
+        model=types.SimpleNamespace(training=True), aux_loss_enabled=False, ld_alpha=None,
+        accelerator=types.SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x),
         precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=types_,
         loss_weights=loss_weights or [1.0] * len(types_), beta=beta, label_smoothing=label_smoothing,
         args=types.SimpleNamespace(discopop_tau=discopop_tau), use_weighting=False,
