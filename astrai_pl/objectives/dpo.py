@@ -81,27 +81,34 @@ class DPO(Objective):
         self,
         *args: Any,
         beta: float = 0.1,
-        loss_type: str = "sigmoid",
+        loss_type: str | list[str] = "sigmoid",
         label_smoothing: float = 0.0,
         precompute_ref_log_probs: bool = False,
         rpo_alpha: float | None = None,
+        loss_weights: list[float] | None = None,
+        discopop_tau: float = 0.05,
         **kwargs: Any,
     ):
         """
         Args:
             beta: β, the inverse temperature of the implicit reward β·log(π/π_ref): larger trusts the pairs
                 more, smaller keeps the policy nearer the reference (TRL default 0.1).
-            loss_type: 'sigmoid' (DPO), 'robust' (rDPO), 'ipo' (IPO, on mean token log-probabilities) or
-                'hinge' (SLiC-HF).
+            loss_type: One of TRL's names — 'sigmoid' (DPO), 'robust' (rDPO), 'ipo' (IPO, on mean token
+                log-probabilities), 'hinge' (SLiC-HF), 'exo_pair', 'nca_pair', 'bco_pair', 'sppo_hard', 'aot',
+                'aot_unpaired', 'apo_zero', 'apo_down', 'discopop', 'sft', 'sigmoid_norm' — or a list of them,
+                summed with `loss_weights` (MPO). Equations: `losses.dpo_loss`, docs/objectives.md.
             label_smoothing: ε, the assumed probability that a pair's labels are flipped (cDPO for 'sigmoid',
-                rDPO for 'robust'); 0 = trust every pair.
+                rDPO for 'robust', also 'aot' and 'aot_unpaired'; 'exo_pair' needs ε > 0, e.g. 1e-3); 0 = trust
+                every pair.
             precompute_ref_log_probs: Score every pair under the initial policy once before training and keep
                 no reference model (half the weights in memory, one extra pass over the data) instead of a
                 live frozen copy. Needs a data module with `indexed_loaders()` (DPOData).
             rpo_alpha: α of RPO (Pang et al., 2024): add α · the chosen responses' token-mean negative
                 log-likelihood to the loss, which keeps the chosen likelihood from falling; null = plain DPO.
+            loss_weights: One weight per entry of a list `loss_type`; null = 1.0 each.
+            discopop_tau: τ of 'discopop', the temperature of its blend of logistic and exponential losses.
         """
-        check_dpo_options(beta, loss_type, label_smoothing, rpo_alpha)
+        check_dpo_options(beta, loss_type, label_smoothing, rpo_alpha, loss_weights, discopop_tau)
         super().__init__(*args, **kwargs)  # the options of every objective: arch, init_from, … (Objective)
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
         self.rpo_alpha = rpo_alpha
@@ -189,10 +196,11 @@ class DPO(Objective):
         reference = self._reference_pair_logps(batch, stage)
         lengths = response_lengths(batch)
         nll = -policy[0].sum() / lengths[0].sum()  # token mean over the chosen responses
-        if self.loss_type == "ipo":  # IPO scores a response by its mean token log-probability
-            policy, reference = ([lp / n for lp, n in zip(side, lengths)] for side in (policy, reference))
+        hp = self.hparams  # ipo and sigmoid_norm score responses by their mean token log-probability
         loss, metrics = dpo_loss(*policy, *reference, beta=self.beta, loss_type=self.loss_type,
-                                 label_smoothing=self.label_smoothing)
+                                 label_smoothing=self.label_smoothing, loss_weights=hp.loss_weights,
+                                 chosen_lengths=lengths[0], rejected_lengths=lengths[1], chosen_nll=nll,
+                                 discopop_tau=hp.discopop_tau)
         if self.rpo_alpha is not None:
             loss = loss + self.rpo_alpha * nll
             metrics["nll_loss"] = nll.detach()

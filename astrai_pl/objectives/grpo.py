@@ -65,6 +65,10 @@ class GRPO(Objective):
         epsilon_high: float | None = None,
         beta: float = 0.01,
         loss_type: str = "dapo",
+        importance_sampling_level: str = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        entropy_coef: float = 0.0,
         scale_rewards: str = "group",
         mask_truncated_completions: bool = False,
         vllm_importance_sampling_correction: bool = True,
@@ -94,12 +98,21 @@ class GRPO(Objective):
             num_iterations: Optimizer steps (passes over the rollout batch) per rollout (μ); the old policy's
                 log-probabilities are taken when the rollout is sampled.
             epsilon: Lower clip ε_low of the ratio: clip(ρ, 1 − epsilon, 1 + epsilon_high).
-            epsilon_high: Upper clip ε_high; None = epsilon. DAPO's clip-higher uses 0.28.
+            epsilon_high: Upper clip ε_high; None = epsilon. DAPO's clip-higher uses 0.28; with loss_type
+                'cispo' it is the cap of the ratio itself (ScaleRL's ε_max, e.g. 5.0) and must be set.
             beta: Weight of the k3 KL penalty to the frozen reference (the initial policy); 0 = no reference
                 model is kept at all.
             loss_type: How token losses are reduced (TRL's names): 'dapo' (over every completion token of the
                 optimizer step, on all ranks), 'bnpo' (over the tokens of each micro-batch), 'grpo' (per
-                completion, then over completions) or 'dr_grpo' (over completions × max_completion_length).
+                completion, then over completions) or 'dr_grpo' (over completions × max_completion_length);
+                'cispo' (the clipped ratio, a constant, weighs log π: MiniMax-M1), reduced as 'dapo'; 'sapo'
+                (a sigmoid gate of temperature τ in place of the clip), reduced as 'grpo'.
+            importance_sampling_level: 'token' (one ratio per token) or 'sequence' (GSPO: one ratio per completion,
+                the exp of its mean token log-ratio; the paper pairs it with loss_type 'grpo').
+            sapo_temperature_pos: τ of 'sapo' for tokens with a positive advantage (TRL's default 1.0).
+            sapo_temperature_neg: τ of 'sapo' for the others (TRL's default 1.05).
+            entropy_coef: Weight c of the entropy bonus: the loss less c × the policy's mean entropy over the
+                completion tokens (a second output of the scoring pass); 0 = off.
             scale_rewards: Advantage scale: 'group' (group std), 'batch' (rollout std) or 'none' (Dr. GRPO).
             mask_truncated_completions: Leave completions cut at max_completion_length out of the loss.
             vllm_importance_sampling_correction: Weigh each token's policy loss by the importance weight of the
@@ -129,7 +142,8 @@ class GRPO(Objective):
         require(0 < top_p <= 1, "GRPO.top_p", top_p, "must lie in (0, 1]; use 1.0 to sample from the full distribution")
         require(top_k >= 0, "GRPO.top_k", top_k, "must be >= 0; use 0 for no top-k")
         require(num_iterations >= 1, "GRPO.num_iterations", num_iterations, "must be >= 1")
-        check_grpo_loss_options(loss_type, epsilon, beta, epsilon_high)
+        check_grpo_loss_options(loss_type, epsilon, beta, epsilon_high, importance_sampling_level,
+                                (sapo_temperature_pos, sapo_temperature_neg), entropy_coef)
         check_importance_sampling_options(vllm_importance_sampling_mode, vllm_importance_sampling_clip_max,
                                           vllm_importance_sampling_clip_min)
         require(zero_std_patience >= 1, "GRPO.zero_std_patience", zero_std_patience, "must be >= 1")
@@ -308,9 +322,9 @@ class GRPO(Objective):
         per_func, total = score_episodes(self.reward_funcs, self.reward_weights, batch, episodes, group_size)
         return episodes, per_func, total, {**completion_metrics(episodes, seconds), **episode_metrics(episodes)}
 
-    def _logps(self, model, part: dict[str, Any], temperature: float | None = None) -> torch.Tensor:
+    def _logps(self, model, part: dict[str, Any], temperature: float | None = None, entropies: bool = False):
         t = self.hparams.temperature if temperature is None else temperature
-        return token_logprobs(model, part["input_ids"], part["labels"], temperature=t)  # (B, T)
+        return token_logprobs(model, part["input_ids"], part["labels"], temperature=t, entropies=entropies)  # (B, T)
 
     def _note_rollout(self, rollout: Rollout) -> None:
         """Log the rollout's metrics, remember its reward, and warn while no group has any reward spread."""
@@ -352,7 +366,8 @@ class GRPO(Objective):
     def _shared_step(self, batch: dict[str, Any], stage: str):
         """The GRPO loss on one micro-batch of a rollout, weighted so the accumulated gradient is exact."""
         hp = self.hparams
-        logps = self._logps(self.model, batch)  # (B, T), gradients flow here only
+        logps, entropies = self._logps(self.model, batch, entropies=True) if hp.entropy_coef else (
+            self._logps(self.model, batch), None)  # (B, T) each, gradients flow here only
         correct, first = hp.vllm_importance_sampling_correction, batch.get("first_pass", False)
         sampler = self._sampler_logps(batch, logps) if correct or first else None
         weights = None
@@ -363,7 +378,10 @@ class GRPO(Objective):
         loss, metrics = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
                                   batch["mask"], hp.epsilon, hp.beta, hp.loss_type, self.completion_length,
                                   epsilon_high=hp.epsilon_high, num_items=batch.get("num_items"),
-                                  importance_weights=weights)
+                                  importance_weights=weights, importance_sampling_level=hp.importance_sampling_level,
+                                  sapo_temperature_pos=hp.sapo_temperature_pos,
+                                  sapo_temperature_neg=hp.sapo_temperature_neg, entropies=entropies,
+                                  entropy_coef=hp.entropy_coef)
         if first:
             metrics.update(self._sampling_metrics(batch, sampler, weights))
         return loss * batch["weight"], metrics

@@ -40,11 +40,15 @@ def scored_rows(
 
 
 def _chunk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: float) -> torch.Tensor:
+                    temperature: float, entropy: bool = False) -> torch.Tensor:
     logits = lm_head(hidden)  # (C, V)
     if temperature != 1.0:
         logits = logits / temperature
-    return logprobs_from_logits(logits, targets)  # (C,)
+    logps = logprobs_from_logits(logits, targets)  # (C,)
+    if not entropy:
+        return logps
+    log_p = torch.log_softmax(logits.to(logps.dtype), dim=-1)  # (C, V)
+    return torch.stack([logps, -(log_p.exp() * log_p).sum(-1)], dim=-1)  # (C, 2): log p(target), H
 
 
 def _check_scoring(chunk_size: int, temperature: float) -> None:
@@ -63,8 +67,12 @@ def token_logprobs(
     document_ids: torch.Tensor | None = None,  # (B, T)
     chunk_size: int = 1024,
     temperature: float = 1.0,
-) -> torch.Tensor:
+    entropies: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(labels[t + 1] | input_ids[≤ t]) at each position t, 0 where labels[t + 1] is -100.  (B, T)
+
+    With `entropies=True` also the entropy H = −Σ_v p(v) log p(v) of each scored position's (tempered)
+    distribution, 0 elsewhere, with its gradient: a pair of (B, T) tensors.
 
     The last position is always 0 (nothing follows it). `temperature` divides the logits first, as
     sampling does, so rollout and training score tokens under the same distribution. Only positions
@@ -74,7 +82,8 @@ def token_logprobs(
     """
     _check_scoring(chunk_size, temperature)  # before the forward
     hidden, _ = model.hidden_states(input_ids, position_ids=position_ids, document_ids=document_ids)
-    return hidden_logprobs(model.lm_head, hidden, labels, chunk_size=chunk_size, temperature=temperature)
+    return hidden_logprobs(model.lm_head, hidden, labels, chunk_size=chunk_size, temperature=temperature,
+                           entropies=entropies)
 
 
 def hidden_logprobs(
@@ -84,9 +93,10 @@ def hidden_logprobs(
     *,
     chunk_size: int = 1024,
     temperature: float = 1.0,
-) -> torch.Tensor:
+    entropies: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` from hidden states already computed: the lm_head on the scored positions only, in
-    chunks recomputed in the backward pass.  (B, T)"""
+    chunks recomputed in the backward pass.  (B, T), or two of them with `entropies`"""
     _check_scoring(chunk_size, temperature)
     B, T = labels.shape
     targets = torch.cat([labels[:, 1:], labels.new_full((B, 1), IGNORE_INDEX)], dim=1)
@@ -96,12 +106,12 @@ def hidden_logprobs(
     for start in range(0, max(len(where), 1), chunk_size):  # one empty chunk keeps the graph when N == 0
         h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
         if recompute:
-            chunks.append(checkpoint(_chunk_logprobs, lm_head, h, t, temperature, use_reentrant=False))
+            chunks.append(checkpoint(_chunk_logprobs, lm_head, h, t, temperature, entropies, use_reentrant=False))
         else:
-            chunks.append(_chunk_logprobs(lm_head, h, t, temperature))
-    scored = torch.cat(chunks)  # (N,)
-    out = scored.new_zeros(B * T).index_put((where,), scored)
-    return out.view(B, T)
+            chunks.append(_chunk_logprobs(lm_head, h, t, temperature, entropies))
+    scored = torch.cat(chunks)  # (N,) or (N, 2)
+    out = scored.new_zeros(B * T, *scored.shape[1:]).index_put((where,), scored)
+    return out.view(B, T) if not entropies else tuple(out.view(B, T, 2).unbind(-1))
 
 
 def sequence_logprobs(token_lp: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

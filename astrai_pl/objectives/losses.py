@@ -4,8 +4,8 @@ Label convention shared by every objective: `labels` are aligned with `input_ids
 token t itself, or -100 where it is not trained). The logits at position t predict token t + 1, so
 `next_token_labels(labels)` shifts them once; losses take logits and already-shifted targets.
 Per-token log-probabilities of labels under a model (`token_logprobs`) live in `logprobs.py` and are
-re-exported here; the preference and RL losses below take their outputs. KTO, ORPO, SimPO and the
-reward model's Bradley–Terry loss live in `preference_losses.py` and are re-exported here too.
+re-exported here; the preference and RL losses take their outputs. DPO (with TRL's variants), KTO, ORPO,
+SimPO and the reward model's Bradley–Terry loss live in `preference_losses.py` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ import torch.nn.functional as F
 from .logprobs import IGNORE_INDEX, logprobs_from_logits, scored_rows, sequence_logprobs, token_logprobs
 from .options import (
     check_advantage_options,
-    check_dpo_options,
     check_grpo_loss_options,
     check_importance_sampling_options,
 )
-from .preference_losses import bradley_terry_loss, kto_loss, orpo_loss, simpo_loss
+from .preference_losses import bradley_terry_loss, dpo_loss, kto_loss, orpo_loss, simpo_loss
 
 __all__ = [
     "IGNORE_INDEX", "next_token_labels", "cross_entropy", "linear_cross_entropy", "logprobs_from_logits",
@@ -181,72 +180,6 @@ def linear_cross_entropy(
     return summed / denom, {"nll": nll / tokens.clamp(min=1), "tokens": tokens}
 
 
-# -- preference optimisation ------------------------------------------------------------------------
-
-
-def dpo_loss(
-    policy_chosen_logps: torch.Tensor,  # (B,)
-    policy_rejected_logps: torch.Tensor,  # (B,)
-    ref_chosen_logps: torch.Tensor,  # (B,)
-    ref_rejected_logps: torch.Tensor,  # (B,)
-    beta: float = 0.1,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Direct Preference Optimization and its variants, averaged over the batch of pairs.
-
-    Inputs are per-sequence log-probabilities of the response, summed over its tokens (B,). With the
-    log-ratio margin h = (πc − πr) − (rc − rr) (π: policy, r: reference, c/r: chosen/rejected) and
-    ε = label_smoothing:
-
-        sigmoid  −(1 − ε)·log σ(β·h) − ε·log σ(−β·h)                  Rafailov et al., 2023 (DPO);
-                 ε > 0 is conservative DPO (cDPO, Mitchell 2023): labels flipped with probability ε
-        robust   [−(1 − ε)·log σ(β·h) + ε·log σ(−β·h)] / (1 − 2ε)      Chowdhury et al., 2024 (rDPO)
-        ipo      (h − 1/(2β))²                                         Azar et al., 2023 (IPO)
-        hinge    max(0, 1 − β·h)                                       Zhao et al., 2023 (SLiC-HF)
-
-    The names and formulas follow TRL's `DPOConfig.loss_type`, so ported configs keep their meaning.
-    IPO's paper scores sequences by their mean token log-probability; TRL length-normalises before
-    this loss, and so should a caller that wants the paper's IPO — this function takes the numbers
-    as given. ipo and hinge have no label smoothing: ε ≠ 0 there is an error, not silently ignored.
-    The reference log-probabilities are constants (detached here); gradients reach the policy's only.
-
-    Metrics (batch means, detached), with TRL's names: `rewards/chosen` = β·(πc − rc),
-    `rewards/rejected` = β·(πr − rr), `rewards/margins` (their difference), `rewards/accuracies`
-    (fraction of pairs with rewards/chosen > rewards/rejected), `logps/chosen` = πc, `logps/rejected` = πr.
-    """
-    check_dpo_options(beta, loss_type, label_smoothing)
-    shapes = {t.shape for t in (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)}
-    if len(shapes) != 1:
-        raise ValueError(f"the four log-probability tensors must share one shape (B,), got {sorted(shapes)}")
-
-    dtype = torch.promote_types(policy_chosen_logps.dtype, torch.float32)
-    chosen_ratio = policy_chosen_logps.to(dtype) - ref_chosen_logps.to(dtype).detach()  # (B,)
-    rejected_ratio = policy_rejected_logps.to(dtype) - ref_rejected_logps.to(dtype).detach()  # (B,)
-    h = chosen_ratio - rejected_ratio  # (B,)
-    eps = label_smoothing
-    if loss_type == "sigmoid":
-        losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
-    elif loss_type == "robust":
-        losses = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
-    elif loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:  # hinge
-        losses = torch.relu(1 - beta * h)
-
-    with torch.no_grad():
-        chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
-        metrics = {
-            "rewards/chosen": chosen_rewards.mean(),
-            "rewards/rejected": rejected_rewards.mean(),
-            "rewards/accuracies": (chosen_rewards > rejected_rewards).to(dtype).mean(),
-            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-            "logps/chosen": policy_chosen_logps.detach().to(dtype).mean(),
-            "logps/rejected": policy_rejected_logps.detach().to(dtype).mean(),
-        }
-    return losses.mean(), metrics
-
-
 # -- group relative policy optimisation ---------------------------------------------------------------
 
 
@@ -325,6 +258,38 @@ def rollout_importance_weights(
     return weights.masked_fill((weights < low) | (weights > high), 0.0)
 
 
+def _importance_ratio(logps: torch.Tensor, old: torch.Tensor, m: torch.Tensor, level: str) -> torch.Tensor:
+    """ρ = exp(logps − old) per token (B, T), or GSPO's exp of its length-normalised sum per sequence (B, 1)."""
+    log_ratio = logps - old  # (B, T)
+    if level == "sequence":
+        log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)).unsqueeze(-1)  # (B, 1)
+    return torch.exp(log_ratio)
+
+
+def _policy_term(logps: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, loss_type: str, low: float,
+                 high: float, sapo_temperatures: tuple[float, float]) -> torch.Tensor:
+    """The policy-gradient term of each token (B, T), or of each sequence (B, 1) at the sequence level."""
+    if loss_type == "cispo":  # the clipped ratio is a constant weight of the REINFORCE term
+        return -ratio.clamp(max=high).detach() * adv * logps
+    if loss_type == "sapo":
+        tau_pos, tau_neg = sapo_temperatures
+        tau = torch.where(adv > 0, tau_pos, tau_neg)
+        return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    return -torch.min(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
+
+
+def _reduce(per_token: torch.Tensor, m: torch.Tensor, loss_type: str, max_len: int | None,
+            num_items: torch.Tensor | float | None) -> torch.Tensor:
+    """The masked per-token losses (B, T) reduced as `loss_type` says (see `grpo_loss`)."""
+    if loss_type in ("grpo", "sapo"):
+        return ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()
+    if loss_type == "dr_grpo":
+        return (per_token * m).sum() / (m.size(0) * (m.size(1) if max_len is None else max_len))
+    if loss_type in ("dapo", "cispo") and num_items is not None:
+        return (per_token * m).sum() / num_items
+    return (per_token * m).sum() / m.sum().clamp(min=1)  # bnpo, or dapo/cispo on this batch alone
+
+
 def grpo_loss(
     logps: torch.Tensor,  # (B, T) current policy, per token
     old_logps: torch.Tensor | None,  # (B, T) policy that sampled the rollouts
@@ -339,60 +304,81 @@ def grpo_loss(
     epsilon_high: float | None = None,
     num_items: torch.Tensor | float | None = None,
     importance_weights: torch.Tensor | None = None,  # (B, T) or (B, 1)
+    importance_sampling_level: str = "token",
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    entropies: torch.Tensor | None = None,  # (B, T) the policy's entropy at each position
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped policy-gradient loss with a KL penalty to a reference (GRPO, Shao et al., 2024).
+    """Clipped policy-gradient loss with a KL penalty to a reference (GRPO, Shao et al., 2024), and its variants.
 
     Per completion token, with ρ = exp(logps − old_logps), r = exp(ref_logps − logps), the sequence's
     advantage A broadcast over its tokens, ε_low = epsilon, ε_high = epsilon_high (None: = epsilon) and
     w the rollout importance weights (`rollout_importance_weights`; 1 when None):
 
-        ℓ_t = −w_t · min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A) + β · (r − log r − 1)
+        ℓ_t = w_t · p_t + β · (r − log r − 1)
+        p_t = −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A)              grpo, bnpo, dr_grpo, dapo
+        p_t = −sg(min(ρ, ε_high)) · A · logps_t                        cispo (MiniMax-M1, 2025: the clipped ratio
+                                                                       weighs a REINFORCE term; ε_high is the
+                                                                       cap itself, ScaleRL's ε_max, e.g. 5.0)
+        p_t = −σ(τ·(ρ − 1)) · 4/τ · A                                  sapo (Soft Adaptive Policy Optimization,
+                                                                       arXiv 2511.20347: a soft gate in place of
+                                                                       the clip; τ = sapo_temperature_pos where
+                                                                       A > 0, else sapo_temperature_neg)
 
-    ε_high > ε_low is DAPO's clip-higher (Yu et al., 2025, use 0.28 against 0.2): low-probability
-    tokens with A > 0 may grow further before their gradient stops. The KL term is Schulman's k3
-    estimator of KL(π ‖ π_ref): unbiased, always ≥ 0; w does not weigh it (as TRL). The loss_type picks
-    how the masked ℓ_t are reduced, with TRL's names and meanings:
+    sg: stop-gradient. importance_sampling_level "sequence" is GSPO (Zheng et al., 2025): one ratio per
+    completion, ρ_i = exp(Σ_t m·(logps − old) / Σ_t m), the length-normalised sequence log-ratio, clipped (or
+    gated) as above and shared by its tokens. ε_high > ε_low is DAPO's clip-higher (Yu et al., 2025, use 0.28
+    against 0.2). The KL term is Schulman's k3 estimator of KL(π ‖ π_ref): unbiased, always ≥ 0; w does not
+    weigh it (as TRL). The loss_type picks how the masked ℓ_t are reduced, with TRL's names and meanings:
 
-        grpo     mean_b( Σ_t m·ℓ / Σ_t m )           per-sequence mean, then batch mean (DeepSeekMath);
+        grpo, sapo    mean_b( Σ_t m·ℓ / Σ_t m )      per-sequence mean, then batch mean (DeepSeekMath);
                                                      long completions' tokens count less
-        bnpo     Σ_{b,t} m·ℓ / Σ_{b,t} m             over the tokens of this (local) batch
-        dr_grpo  Σ_{b,t} m·ℓ / (B · max_len)          a constant divisor (Liu et al., 2025, Dr. GRPO);
+        bnpo          Σ_{b,t} m·ℓ / Σ_{b,t} m        over the tokens of this (local) batch
+        dr_grpo       Σ_{b,t} m·ℓ / (B · max_len)    a constant divisor (Liu et al., 2025, Dr. GRPO);
                                                      max_len defaults to T, the padded length
-        dapo     Σ_{b,t} m·ℓ / num_items             num_items: the completion tokens of the whole global
+        dapo, cispo   Σ_{b,t} m·ℓ / num_items        num_items: the completion tokens of the whole global
                                                      batch (DAPO); None = this batch's, as bnpo
 
-    For dapo the caller passes num_items so that the gradients its accumulation and data parallelism add
-    up are those of one batch: with K micro-batches per step and W ranks (each micro-batch loss divided
-    by K, gradients averaged over ranks), num_items = N / (K · W), N the completion tokens of all K·W
+    GSPO's paper reduces per sequence (grpo); with the token sums of the others a completion weighs by its
+    length. An entropy bonus (TRL's `entropy_coef`, c) subtracts c · Σ m·H / Σ m, the mean entropy of the
+    policy over this batch's completion tokens, whatever the loss_type (`entropies`, (B, T), with gradient).
+
+    For dapo and cispo the caller passes num_items so that the gradients its accumulation and data parallelism
+    add up are those of one batch: with K micro-batches per step and W ranks (each micro-batch loss divided by
+    K, gradients averaged over ranks), num_items = N / (K · W), N the completion tokens of all K·W
     micro-batches (TRL's num_items_in_batch, rescaled alike).
 
     `old_logps`, `ref_logps`, `advantages` and the weights are constants: detached here, so gradients
-    reach `logps` only. `old_logps=None` means one pass on fresh rollouts (old = logps.detach(), so
-    ρ = 1); `ref_logps=None` is allowed when beta == 0.
+    reach `logps` (and `entropies`) only. `old_logps=None` means one pass on fresh rollouts (old =
+    logps.detach(), so ρ = 1); `ref_logps=None` is allowed when beta == 0.
 
-    Metrics (detached): `policy_loss` (the clipped term alone, reduced as the loss), `kl` (mean k3 over
-    completion tokens; 0 without a reference), `clip_ratio/low_mean` (ρ < 1 − ε_low with A < 0),
-    `clip_ratio/high_mean` (ρ > 1 + ε_high with A > 0) and `clip_ratio` (either: TRL's region_mean), as
-    fractions of the completion tokens: where the clipped branch wins the min, so the token gives no
-    gradient (a ratio outside the band on the side that would lower the loss is not counted, because
-    PPO's min keeps its gradient).
+    Metrics (detached): `policy_loss` (the policy term alone, reduced as the loss), `kl` (mean k3 over
+    completion tokens; 0 without a reference), `entropy` (mean over completion tokens, when given);
+    for the clipped loss types `clip_ratio/low_mean` (ρ < 1 − ε_low with A < 0), `clip_ratio/high_mean`
+    (ρ > 1 + ε_high with A > 0) and `clip_ratio` (either: TRL's region_mean), as fractions of the completion
+    tokens (of the completions, at the sequence level) where the clipped branch wins the min, so the token gives
+    no gradient; for cispo `cispo_clip_ratio` (ρ > ε_high with A > 0, TRL's).
     """
-    check_grpo_loss_options(loss_type, epsilon, beta, epsilon_high)
+    check_grpo_loss_options(loss_type, epsilon, beta, epsilon_high, importance_sampling_level,
+                            (sapo_temperature_pos, sapo_temperature_neg), entropy_coef)
     high = epsilon if epsilon_high is None else epsilon_high
     if ref_logps is None and beta:
         raise ValueError(f"ref_logps is None but beta={beta}: pass reference log-probs or set beta=0")
     if mask.shape != logps.shape or advantages.shape != logps.shape[:1]:
         raise ValueError(f"expected logps and mask (B, T) and advantages (B,), got logps {tuple(logps.shape)}, "
                          f"mask {tuple(mask.shape)}, advantages {tuple(advantages.shape)}")
+    if entropy_coef and (entropies is None or entropies.shape != logps.shape):
+        raise ValueError(f"entropy_coef={entropy_coef} needs the policy's entropies (B, T) = {tuple(logps.shape)}")
 
     dtype = torch.promote_types(logps.dtype, torch.float32)
     logps = logps.to(dtype)
     m = mask.to(dtype)
     old = logps.detach() if old_logps is None else old_logps.detach().to(dtype)
     adv = advantages.detach().to(dtype).unsqueeze(1)  # (B, 1)
-    ratio = torch.exp(logps - old)  # (B, T)
-    clipped = ratio.clamp(1 - epsilon, 1 + high)
-    per_token_pg = -torch.min(ratio * adv, clipped * adv)  # (B, T)
+    ratio = _importance_ratio(logps, old, m, importance_sampling_level)  # (B, T) or (B, 1)
+    per_token_pg = _policy_term(logps, ratio, adv, loss_type, epsilon, high,
+                                (sapo_temperature_pos, sapo_temperature_neg)).expand_as(logps)
     if importance_weights is not None:
         per_token_pg = per_token_pg * importance_weights.detach().to(dtype)
     if ref_logps is not None:
@@ -401,26 +387,30 @@ def grpo_loss(
     else:
         per_token_kl = torch.zeros_like(logps)
 
-    def reduce(per_token: torch.Tensor) -> torch.Tensor:
-        if loss_type == "grpo":
-            return ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()
-        if loss_type == "dr_grpo":
-            return (per_token * m).sum() / (logps.size(0) * (logps.size(1) if max_len is None else max_len))
-        if loss_type == "dapo" and num_items is not None:
-            return (per_token * m).sum() / num_items
-        return (per_token * m).sum() / m.sum().clamp(min=1)  # bnpo, or dapo on this batch alone
-
-    policy_loss = reduce(per_token_pg)
-    loss = policy_loss + beta * reduce(per_token_kl) if beta else policy_loss
+    policy_loss = _reduce(per_token_pg, m, loss_type, max_len, num_items)
+    loss = policy_loss + beta * _reduce(per_token_kl, m, loss_type, max_len, num_items) if beta else policy_loss
+    tokens = m.sum().clamp(min=1)
+    if entropies is not None:
+        entropy = (entropies.to(dtype) * m).sum() / tokens
+        loss = loss - entropy_coef * entropy if entropy_coef else loss
     with torch.no_grad():
-        tokens = m.sum().clamp(min=1)
-        low_clipped = (ratio < 1 - epsilon) & (adv < 0)
-        high_clipped = (ratio > 1 + high) & (adv > 0)
-        metrics = {
-            "policy_loss": policy_loss.detach(),
-            "kl": (per_token_kl.detach() * m).sum() / tokens,
-            "clip_ratio": ((low_clipped | high_clipped).to(dtype) * m).sum() / tokens,
-            "clip_ratio/low_mean": (low_clipped.to(dtype) * m).sum() / tokens,
-            "clip_ratio/high_mean": (high_clipped.to(dtype) * m).sum() / tokens,
-        }
+        metrics = {"policy_loss": policy_loss.detach(), "kl": (per_token_kl.detach() * m).sum() / tokens,
+                   **_clip_metrics(ratio, adv, m, loss_type, epsilon, high)}
+        if entropies is not None:
+            metrics["entropy"] = entropy.detach()
     return loss, metrics
+
+
+def _clip_metrics(ratio: torch.Tensor, adv: torch.Tensor, m: torch.Tensor, loss_type: str, low: float,
+                  high: float) -> dict[str, torch.Tensor]:
+    """The fractions of completion tokens whose ratio the clip stopped (TRL's names); none for sapo's gate."""
+    def share(hit: torch.Tensor) -> torch.Tensor:  # of the tokens; of the sequences at the sequence level (as TRL)
+        return hit.to(m.dtype).mean() if hit.size(1) == 1 else (hit.to(m.dtype) * m).sum() / m.sum().clamp(min=1)
+
+    if loss_type == "cispo":
+        return {"cispo_clip_ratio": share((ratio > high) & (adv > 0))}
+    if loss_type == "sapo":
+        return {}
+    low_clipped, high_clipped = (ratio < 1 - low) & (adv < 0), (ratio > 1 + high) & (adv > 0)
+    return {"clip_ratio": share(low_clipped | high_clipped), "clip_ratio/low_mean": share(low_clipped),
+            "clip_ratio/high_mean": share(high_clipped)}

@@ -5,13 +5,17 @@ value and the fix."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from ..model.config import ConfigError
 
-DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge")
+DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot",
+                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+DPO_SMOOTHED = ("sigmoid", "robust", "exo_pair", "aot", "aot_unpaired")  # the loss types that use label_smoothing
 ADVANTAGE_SCALES = ("group", "batch", "none")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -26,17 +30,30 @@ def check_label_smoothing(objective: str, label_smoothing: float) -> None:
     require(0.0 <= label_smoothing < 1.0, f"{objective}.label_smoothing", label_smoothing, "must lie in [0, 1)")
 
 
-def check_dpo_options(beta: float, loss_type: str, label_smoothing: float, rpo_alpha: float | None = None) -> None:
-    """The options of DPO and `dpo_loss`."""
+def check_dpo_options(beta: float, loss_type: str | Sequence[str], label_smoothing: float,
+                      rpo_alpha: float | None = None, loss_weights: Sequence[float] | None = None,
+                      discopop_tau: float = 0.05) -> None:
+    """The options of DPO and `dpo_loss`; `loss_type` is one name or a list of them (TRL's combination)."""
     require(beta > 0, "DPO.beta", beta, "must be > 0 (the inverse temperature of the implicit reward; smaller "
             "keeps the policy nearer the reference); TRL's default is 0.1")
-    require(loss_type in DPO_LOSS_TYPES, "DPO.loss_type", loss_type,
-            f"unknown; use one of {', '.join(DPO_LOSS_TYPES)}")
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    require(len(types) >= 1, "DPO.loss_type", loss_type, "name at least one loss type")
+    for name in types:
+        if name == "aot_pair":
+            raise ConfigError("DPO.loss_type='aot_pair' is TRL's 'aot_unpaired' (sorted chosen log-ratios against "
+                              "sorted rejected ones); set loss_type: aot_unpaired")
+        require(name in DPO_LOSS_TYPES, "DPO.loss_type", name, f"unknown; use one of {', '.join(DPO_LOSS_TYPES)}")
+    require(len(set(types)) == len(types), "DPO.loss_type", loss_type, "names a loss type twice; list each once")
+    require(loss_weights is None or len(loss_weights) == len(types), "DPO.loss_weights", loss_weights,
+            f"needs one weight per loss type ({len(types)}), or null for 1.0 each")
     require(0.0 <= label_smoothing < 0.5, "DPO.label_smoothing", label_smoothing,
             "must lie in [0, 0.5) (the probability that a pair's labels are flipped)")
-    if label_smoothing and loss_type in ("ipo", "hinge"):
+    if label_smoothing and not set(types) & set(DPO_SMOOTHED):
         raise ConfigError(f"DPO.label_smoothing={label_smoothing!r} with loss_type={loss_type!r}: only "
-                          "'sigmoid' and 'robust' use it; set it to 0.0")
+                          f"{', '.join(DPO_SMOOTHED)} use it; set it to 0.0")
+    require(label_smoothing > 0 or "exo_pair" not in types, "DPO.label_smoothing", label_smoothing,
+            "must be > 0 with loss_type exo_pair (its target distribution is (1 − ε, ε)); the EXO paper uses 1e-3")
+    require(discopop_tau > 0, "DPO.discopop_tau", discopop_tau, "must be > 0 (the paper and TRL use 0.05)")
     require(rpo_alpha is None or rpo_alpha >= 0, "DPO.rpo_alpha", rpo_alpha,
             "must be >= 0 (the weight of the chosen responses' negative log-likelihood), or null for none")
 
@@ -48,7 +65,9 @@ def check_advantage_options(group_size: int, scale_rewards: str) -> None:
     require(scale_rewards in ADVANTAGE_SCALES, "GRPO.scale_rewards", scale_rewards, f"use one of {ADVANTAGE_SCALES}")
 
 
-def check_grpo_loss_options(loss_type: str, epsilon: float, beta: float, epsilon_high: float | None = None) -> None:
+def check_grpo_loss_options(loss_type: str, epsilon: float, beta: float, epsilon_high: float | None = None,
+                            importance_sampling_level: str = "token",
+                            sapo_temperatures: tuple[float, float] = (1.0, 1.05), entropy_coef: float = 0.0) -> None:
     """The options of GRPO that `grpo_loss` takes."""
     require(epsilon > 0, "GRPO.epsilon", epsilon, "must be > 0; TRL's default is 0.2")
     require(epsilon_high is None or epsilon_high > 0, "GRPO.epsilon_high", epsilon_high,
@@ -58,6 +77,14 @@ def check_grpo_loss_options(loss_type: str, epsilon: float, beta: float, epsilon
         raise ConfigError("GRPO.loss_type='token' was renamed 'dapo' (TRL's name for the mean over every "
                           "completion token of the step); set model.init_args.loss_type: dapo")
     require(loss_type in GRPO_LOSS_TYPES, "GRPO.loss_type", loss_type, f"use one of {GRPO_LOSS_TYPES}")
+    require(loss_type != "cispo" or epsilon_high is not None, "GRPO.epsilon_high", epsilon_high,
+            "loss_type cispo caps the ratio at epsilon_high itself (ScaleRL's ε_max): set it, e.g. 5.0")
+    require(importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "GRPO.importance_sampling_level",
+            importance_sampling_level, f"use one of {IMPORTANCE_SAMPLING_LEVELS} ('sequence' is GSPO)")
+    for name, tau in zip(("sapo_temperature_pos", "sapo_temperature_neg"), sapo_temperatures):
+        require(tau > 0, f"GRPO.{name}", tau, "must be > 0 (TRL's defaults are 1.0 and 1.05)")
+    require(entropy_coef >= 0, "GRPO.entropy_coef", entropy_coef, "must be >= 0 (the weight of the entropy "
+            "bonus); 0 = off")
 
 
 def check_importance_sampling_options(mode: str, clip_max: float | None, clip_min: float | None) -> None:

@@ -1,18 +1,29 @@
-"""The losses of KTO, ORPO, SimPO and reward modelling: pure functions, tensors in, `(loss, metrics)` out.
+"""The losses of DPO (with TRL's variants), KTO, ORPO, SimPO and reward modelling: pure functions, tensors in,
+`(loss, metrics)` out.
 
 They take per-sequence numbers — summed or mean token log-probabilities of the responses, or a reward
-model's scores — computed by the objectives (`kto.py`, `orpo.py`, `simpo.py`, `reward.py`); `losses.py`
-re-exports them beside `dpo_loss`. Metrics carry TRL's names, so a run reads like its TRL counterpart.
+model's scores — computed by the objectives (`dpo.py`, `kto.py`, `orpo.py`, `simpo.py`, `reward.py`);
+`losses.py` re-exports them. Metrics carry TRL's names, so a run reads like its TRL counterpart.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from .options import check_kto_options, check_orpo_options, check_reward_options, check_simpo_options
+from .options import (
+    check_dpo_options,
+    check_kto_options,
+    check_orpo_options,
+    check_reward_options,
+    check_simpo_options,
+)
 
-__all__ = ["kto_loss", "orpo_loss", "simpo_loss", "bradley_terry_loss", "log1mexp"]
+__all__ = ["dpo_loss", "kto_loss", "orpo_loss", "simpo_loss", "bradley_terry_loss", "log1mexp"]
 
 
 def _float(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -40,6 +51,145 @@ def pair_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, c
             "logps/chosen": chosen_logps.detach().mean(),
             "logps/rejected": rejected_logps.detach().mean(),
         }
+
+
+# -- DPO and TRL's variants -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pairs:
+    """What the DPO loss types read, per pair (B,): the log-ratios to the reference of each side, the policy's
+    and the reference's own chosen − rejected gaps, the response lengths (None: not given), and the chosen
+    responses' token-mean NLL (a scalar; None: not given)."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    policy_gap: torch.Tensor
+    ref_gap: torch.Tensor
+    chosen_len: torch.Tensor | None
+    rejected_len: torch.Tensor | None
+    nll: torch.Tensor | None
+
+    @property
+    def h(self) -> torch.Tensor:
+        return self.chosen - self.rejected
+
+    def h_per_token(self, loss_type: str) -> torch.Tensor:
+        """h with each side's log-ratio divided by its response length (TRL's ipo and sigmoid_norm)."""
+        if self.chosen_len is None or self.rejected_len is None:
+            if loss_type == "ipo":  # the numbers as given (a caller may have length-normalised them already)
+                return self.h
+            raise ValueError(f"loss_type {loss_type!r} needs chosen_lengths and rejected_lengths (B,)")
+        return self.chosen / self.chosen_len.clamp(min=1) - self.rejected / self.rejected_len.clamp(min=1)
+
+
+def _smoothed(u: torch.Tensor, eps: float) -> torch.Tensor:
+    return -(1 - eps) * F.logsigmoid(u) - eps * F.logsigmoid(-u)
+
+
+def _exo(u: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.sigmoid(u) * (F.logsigmoid(u) - math.log1p(-eps)) + torch.sigmoid(-u) * (F.logsigmoid(-u) - math.log(eps))
+
+
+def _discopop(u: torch.Tensor, tau: float) -> torch.Tensor:
+    mix = torch.sigmoid(u / tau)
+    return -F.logsigmoid(u) * (1 - mix) + torch.exp(-u) * mix
+
+
+def _sft(p: _Pairs) -> torch.Tensor:
+    if p.nll is None:
+        raise ValueError("loss_type 'sft' needs chosen_nll, the chosen responses' token-mean NLL")
+    return p.nll.expand_as(p.chosen)
+
+
+_DPO_LOSSES = {  # per pair (B,), from the pairs p, β, ε = label_smoothing and discopop's τ
+    "sigmoid": lambda p, b, e, t: _smoothed(b * p.h, e),
+    "robust": lambda p, b, e, t: (-(1 - e) * F.logsigmoid(b * p.h) + e * F.logsigmoid(-b * p.h)) / (1 - 2 * e),
+    "ipo": lambda p, b, e, t: (p.h_per_token("ipo") - 1 / (2 * b)) ** 2,
+    "hinge": lambda p, b, e, t: torch.relu(1 - b * p.h),
+    "exo_pair": lambda p, b, e, t: _exo(b * p.h, e),
+    "nca_pair": lambda p, b, e, t: (-F.logsigmoid(b * p.chosen) - 0.5 * F.logsigmoid(-b * p.chosen)
+                                    - 0.5 * F.logsigmoid(-b * p.rejected)),
+    "bco_pair": lambda p, b, e, t: -F.logsigmoid(b * p.chosen) - F.logsigmoid(-b * p.rejected),
+    "sppo_hard": lambda p, b, e, t: (p.chosen - 0.5 / b) ** 2 + (p.rejected + 0.5 / b) ** 2,
+    "aot": lambda p, b, e, t: _smoothed(b * (p.policy_gap.sort().values - p.ref_gap.sort().values), e),
+    "aot_unpaired": lambda p, b, e, t: _smoothed(b * (p.chosen.sort().values - p.rejected.sort().values), e),
+    "apo_zero": lambda p, b, e, t: 1 - torch.sigmoid(b * p.chosen) + torch.sigmoid(b * p.rejected),
+    "apo_down": lambda p, b, e, t: torch.sigmoid(b * p.chosen) + 1 - torch.sigmoid(b * p.h),
+    "discopop": lambda p, b, e, t: _discopop(b * p.h, t),
+    "sft": lambda p, b, e, t: _sft(p),
+    "sigmoid_norm": lambda p, b, e, t: -F.logsigmoid(b * p.h_per_token("sigmoid_norm")),
+}
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,  # (B,) summed response log-probabilities under the policy
+    policy_rejected_logps: torch.Tensor,  # (B,)
+    ref_chosen_logps: torch.Tensor,  # (B,) the same under the frozen reference
+    ref_rejected_logps: torch.Tensor,  # (B,)
+    beta: float = 0.1,
+    loss_type: str | Sequence[str] = "sigmoid",
+    label_smoothing: float = 0.0,
+    *,
+    loss_weights: Sequence[float] | None = None,
+    chosen_lengths: torch.Tensor | None = None,  # (B,) response tokens of each side: ipo, sigmoid_norm
+    rejected_lengths: torch.Tensor | None = None,  # (B,)
+    chosen_nll: torch.Tensor | None = None,  # () token-mean NLL of the chosen responses: sft
+    discopop_tau: float = 0.05,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Direct Preference Optimization and TRL's variants of it, each averaged over the batch of pairs.
+
+    With c = πc − rc and r = πr − rr the log-ratios of the chosen and rejected responses to the reference
+    (π: policy, r·: reference, summed over response tokens), h = c − r, u = β·h, ε = label_smoothing, and
+    c̄, r̄, h̄ the same divided by each response's length:
+
+        sigmoid       −(1 − ε)·log σ(u) − ε·log σ(−u)                  Rafailov et al., 2023 (DPO); ε > 0: cDPO
+        robust        [−(1 − ε)·log σ(u) + ε·log σ(−u)] / (1 − 2ε)     Chowdhury et al., 2024 (rDPO)
+        ipo           (h̄ − 1/(2β))²                                    Azar et al., 2023 (IPO)
+        hinge         max(0, 1 − u)                                    Zhao et al., 2023 (SLiC-HF)
+        exo_pair      σ(u)·(log σ(u) − log(1 − ε)) + σ(−u)·(log σ(−u) − log ε)   Ji et al., 2024 (EXO), ε > 0
+        nca_pair      −log σ(βc) − ½·log σ(−βc) − ½·log σ(−βr)         Chen et al., 2024 (NCA)
+        bco_pair      −log σ(βc) − log σ(−βr)                           Jung et al., 2024 (BCO)
+        sppo_hard     (c − 1/(2β))² + (r + 1/(2β))²                     Wu et al., 2024 (SPPO, hard labels)
+        aot           smoothed sigmoid of β·(sort(πc − πr) − sort(rc − rr))   Melnyk et al., 2024 (AOT, paired)
+        aot_unpaired  smoothed sigmoid of β·(sort(c) − sort(r))          (AOT, unpaired)
+        apo_zero      1 − σ(βc) + σ(βr)                                  D'Oosterlinck et al., 2024 (APO-zero)
+        apo_down      σ(βc) + 1 − σ(u)                                   (APO-down)
+        discopop      −log σ(u)·(1 − σ(u/τ)) + e^{−u}·σ(u/τ)            Lu et al., 2024 (DiscoPOP), τ 0.05
+        sft           the chosen responses' token-mean NLL (`chosen_nll`)
+        sigmoid_norm  −log σ(β·h̄)                                       (length-normalised DPO)
+
+    sort is over the batch (AOT's optimal transport between the two empirical distributions). A list of names
+    is TRL's combination (MPO, Wang et al., 2024: e.g. sigmoid + bco_pair + sft): L = Σ_k w_k · mean_b ℓ_k with
+    w = loss_weights (None: 1 each). Names and formulas are TRL's `DPOConfig.loss_type` (TRL ≥ 1.0 calls the
+    unpaired AOT `aot_unpaired`; its older `aot_pair`). ipo and sigmoid_norm divide by `chosen_lengths` and
+    `rejected_lengths` (TRL divides by the completion tokens); without them ipo takes the numbers as given, so a
+    caller may pass mean token log-probabilities instead. Two deliberate differences from TRL: sigmoid keeps
+    cDPO's ε (TRL ≥ 1.0 ignores label_smoothing there; ε = 0 is TRL's loss), and bco_pair has no running mean
+    of the rewards (as TRL ≥ 1.0: the BCOTrainer keeps that, not DPO's bco_pair). The reference
+    log-probabilities are constants (detached here); gradients reach the policy's only.
+
+    Metrics (batch means, detached), TRL's names: `rewards/chosen` = βc, `rewards/rejected` = βr,
+    `rewards/margins`, `rewards/accuracies`, `logps/chosen` = πc, `logps/rejected` = πr; with several loss
+    types also `loss/<name>` (each unweighted mean).
+    """
+    check_dpo_options(beta, loss_type, label_smoothing, loss_weights=loss_weights, discopop_tau=discopop_tau)
+    _check_same_shape(policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps,
+                      ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
+    pc, pr, rc, rr = _float(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps.detach(),
+                            ref_rejected_logps.detach())
+    lengths = [None if n is None else n.to(pc.dtype) for n in (chosen_lengths, rejected_lengths)]
+    pairs = _Pairs(pc - rc, pr - rr, pc - pr, rc - rr, *lengths, None if chosen_nll is None else chosen_nll.to(pc.dtype))
+    loss, parts = 0.0, {}
+    for name, weight in zip(types, weights):
+        parts[name] = _DPO_LOSSES[name](pairs, beta, label_smoothing, discopop_tau).mean()
+        loss = loss + weight * parts[name]
+    metrics = pair_metrics(beta * pairs.chosen.detach(), beta * pairs.rejected.detach(), pc, pr)
+    if len(types) > 1:
+        metrics.update({f"loss/{name}": part.detach() for name, part in parts.items()})
+    return loss, metrics
 
 
 # -- KTO ------------------------------------------------------------------------------------------------

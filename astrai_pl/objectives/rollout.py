@@ -125,12 +125,12 @@ def accumulation_weights(parts: Sequence[dict[str, torch.Tensor]], loss_type: st
     """w_i with Σ_i w_i · L_i / k = the loss over the whole rollout batch, where L_i is micro-batch i's loss
     reduced over itself and k = len(parts) (Lightning divides each micro-batch loss by k):
 
-        grpo, dr_grpo    w_i = k · B_i / Σ_j B_j      (B: sequences)
-        bnpo             w_i = 1                      (TRL's: each micro-batch is its own local batch)
-        dapo             w_i = 1                      (normalised by `window_items` instead)
+        grpo, sapo, dr_grpo    w_i = k · B_i / Σ_j B_j      (B: sequences)
+        bnpo                   w_i = 1                      (TRL's: each micro-batch is its own local batch)
+        dapo, cispo            w_i = 1                      (normalised by `window_items` instead)
     """
     k = len(parts)
-    if loss_type in ("bnpo", "dapo"):
+    if loss_type in ("bnpo", "dapo", "cispo"):
         return [1.0] * k
     sizes = [float(len(p["input_ids"])) for p in parts]
     total = sum(sizes)
@@ -153,7 +153,7 @@ def window_items(parts: Sequence[dict[str, torch.Tensor]]) -> float:
 def micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Completion], advantages: torch.Tensor,
                   k: int, pad_id: int, loss_type: str, mask_truncated: bool = False) -> list[dict[str, Any]]:
     """The rollout's N sequences in k contiguous micro-batches (sizes differ by at most one), each packed,
-    with its advantages (B,), its accumulation `weight` and, for dapo, the step's `num_items`."""
+    with its advantages (B,), its accumulation `weight` and, for dapo and cispo, the step's `num_items`."""
     n = len(completions)
     group_size = n // len(prompt_ids)
     if not 1 <= k <= n:
@@ -169,7 +169,7 @@ def micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Com
         parts.append(part)
     for part, weight in zip(parts, accumulation_weights(parts, loss_type)):
         part["weight"] = weight
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         items = window_items(parts)
         for part in parts:
             part["num_items"] = items

@@ -93,17 +93,26 @@ def test_the_per_pair_mean_is_exact_under_accumulation(tmp_path):
     torch.testing.assert_close(tagged, alone / 3)  # K = 1 (no trainer): this batch is a third of its window
 
 
-def test_ipo_scores_responses_by_their_mean_token_log_probability(tmp_path):
+@pytest.mark.parametrize("loss_type", ["ipo", "sigmoid_norm", ["sigmoid", "ipo"]])
+def test_ipo_and_sigmoid_norm_score_responses_by_their_mean_token_log_probability(tmp_path, loss_type):
     data = pairs(tmp_path)
     data.setup()
     batch = next(iter(data.val_dataloader()))
-    dpo = module(loss_type="ipo", beta=0.1)
+    dpo = module(loss_type=loss_type, beta=0.1)
+    with torch.no_grad():
+        dpo.model.lm_head.weight.add_(0.05 * torch.randn_like(dpo.model.lm_head.weight))  # policy ≠ reference
     loss, metrics = dpo._shared_step(batch, "val")
-    assert float(loss) == pytest.approx((0 - 1 / (2 * 0.1)) ** 2)  # policy == reference: h = 0
-    chosen, _ = pair_logps(dpo.model, batch)  # (B,) summed over each response
-    tokens = (batch["chosen_labels"][:, 1:] != -100).sum(1)
-    assert len(set(tokens.tolist())) > 1
-    torch.testing.assert_close(metrics["logps/chosen"], (chosen / tokens).mean())
+    (chosen, rejected), (ref_chosen, ref_rejected) = pair_logps(dpo.model, batch), pair_logps(dpo.reference, batch)
+    tokens = [(batch[f"{side}_labels"][:, 1:] != -100).sum(1) for side in ("chosen", "rejected")]
+    assert len(set(tokens[0].tolist())) > 1
+    h_mean = (chosen - ref_chosen) / tokens[0] - (rejected - ref_rejected) / tokens[1]  # (B,)
+    ipo = ((h_mean - 1 / (2 * 0.1)) ** 2).mean()
+    sigmoid_norm = -torch.nn.functional.logsigmoid(0.1 * h_mean).mean()
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+    expected = {"ipo": ipo, "sigmoid_norm": sigmoid_norm}.get(loss_type if isinstance(loss_type, str) else "",
+                                                              ipo - torch.nn.functional.logsigmoid(0.1 * h).mean())
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(metrics["logps/chosen"], chosen.mean())  # TRL's: summed log-probabilities
 
 
 def test_rpo_alpha_adds_the_token_mean_nll_of_the_chosen_responses(tmp_path):
@@ -123,7 +132,8 @@ def test_rpo_alpha_adds_the_token_mean_nll_of_the_chosen_responses(tmp_path):
     ({"beta": -0.1}, r"DPO\.beta=-0\.1"),
     ({"loss_type": "kto"}, r"DPO\.loss_type='kto': unknown; use one of sigmoid, robust, ipo, hinge"),
     ({"label_smoothing": 0.5}, r"DPO\.label_smoothing=0\.5: must lie in \[0, 0\.5\)"),
-    ({"loss_type": "ipo", "label_smoothing": 0.1}, r"only 'sigmoid' and 'robust' use it"),
+    ({"loss_type": "ipo", "label_smoothing": 0.1}, r"only sigmoid, robust, exo_pair, aot, aot_unpaired use it"),
+    ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 2.0, 3.0]}, r"DPO\.loss_weights=.*one weight per"),
     ({"rpo_alpha": -1.0}, r"DPO\.rpo_alpha=-1\.0: must be >= 0"),
 ])
 def test_bad_options_fail_at_construction(options, match):

@@ -105,9 +105,10 @@ def test_equal_rewards_in_every_group_give_zero_advantages_and_no_policy_gradien
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in module.model.parameters())
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo", "sapo"])
 def test_micro_batch_gradients_add_up_to_the_whole_rollout_batch(loss_type):
-    module = grpo(beta=0.0, loss_type=loss_type, temperature=1.5, max_completion_length=8).double()
+    module = grpo(beta=0.0, loss_type=loss_type, temperature=1.5, max_completion_length=8,
+                  epsilon_high=5.0 if loss_type == "cispo" else None).double()
     batch = prompt_batch(4)
     params = SamplingParams(max_tokens=8, temperature=1.5, n=4, logprobs=True, stop_token_ids=list(range(100, 200)))
     completions, _ = sample(module.rollout_engine(batch["prompt_ids"]), batch["prompt_ids"], params)

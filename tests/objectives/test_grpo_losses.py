@@ -109,20 +109,25 @@ def test_the_old_token_loss_type_is_refused_with_its_new_name():
 
 # -- against TRL's GRPOTrainer._compute_loss on the same tensors ---------------------------------------------
 
-def trl_loss(logps, old, ref, adv, mask, weights, *, loss_type, epsilon, epsilon_high, beta, max_len):
+def trl_loss(logps, old, ref, adv, mask, weights, *, loss_type, epsilon, epsilon_high, beta, max_len,
+             importance_sampling_level="token", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+             entropies=None, entropy_coef=0.0, metrics=None):
     """TRL's own loss: GRPOTrainer._compute_loss run on a stand-in trainer (one process, no accumulation)
-    whose forward returns `logps`."""
+    whose forward returns `logps` (and `entropies`); TRL's logged metrics land in `metrics` when given."""
     trl = pytest.importorskip("trl")
     one_process = SimpleNamespace(num_processes=1, sync_gradients=True, gather=lambda x: x,
                                   gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x)
+    entropies = torch.zeros_like(logps) if entropies is None else entropies
     trainer = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropies, None),
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=epsilon,
+        importance_sampling_level=importance_sampling_level, beta=beta, loss_type=loss_type, epsilon_low=epsilon,
         epsilon_high=epsilon_high, use_vllm=weights is not None, vllm_importance_sampling_correction=True,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1,
+                             sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg),
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=one_process,
-        max_completion_length=max_len, _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)})
+        max_completion_length=max_len, _entropy_bonus_enabled=entropy_coef != 0.0, entropy_coef=entropy_coef,
+        use_adaptive_entropy=False, _metrics={"train": defaultdict(list) if metrics is None else metrics})
     B, T = logps.shape
     inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1),
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
@@ -144,7 +149,6 @@ def random_rollout(seed=0, B=4, T=6):
     return logps, old, ref, rollout, adv, mask
 
 
-@pytest.mark.slow  # importing trl takes seconds
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("correction", [False, True])
 def test_loss_and_gradient_equal_trls_on_the_same_tensors(loss_type, correction):
@@ -160,3 +164,81 @@ def test_loss_and_gradient_equal_trls_on_the_same_tensors(loss_type, correction)
     theirs.backward()
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
     torch.testing.assert_close(ours_logps.grad, trl_logps.grad, rtol=1e-12, atol=1e-15)
+
+
+# -- GSPO, cispo, sapo and the entropy bonus against TRL, in the default suite ----------------------------------
+
+VARIANTS = [  # (loss_type, importance_sampling_level, options)
+    ("grpo", "sequence", dict(epsilon=0.2, epsilon_high=0.28)),  # GSPO as its paper reduces it
+    ("dapo", "sequence", dict(epsilon=0.2, epsilon_high=0.28)),
+    ("cispo", "token", dict(epsilon=0.2, epsilon_high=1.1)),  # a cap some ratios pass
+    ("cispo", "sequence", dict(epsilon=0.2, epsilon_high=1.05)),
+    ("sapo", "token", dict(epsilon=0.2, epsilon_high=None, sapo_temperature_pos=1.3, sapo_temperature_neg=0.9)),
+    ("sapo", "sequence", dict(epsilon=0.2, epsilon_high=None)),
+]
+
+
+@pytest.mark.parametrize("loss_type,level,options", VARIANTS, ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("correction", [False, True])
+def test_gspo_cispo_and_sapo_equal_trls_loss_and_gradient(loss_type, level, options, correction):
+    logps, old, ref, rollout, adv, mask = random_rollout(seed=7)
+    weights = rollout_importance_weights(old, rollout, mask, "token_truncate", 2.0) if correction else None
+    ours_logps = logps.clone().requires_grad_(True)
+    ours, metrics = grpo_loss(ours_logps, old, ref, adv, mask, beta=0.04, loss_type=loss_type, max_len=8,
+                              num_items=mask.sum(), importance_weights=weights, importance_sampling_level=level,
+                              **options)
+    ours.backward()
+    trl_logps = logps.clone().requires_grad_(True)
+    logged = defaultdict(list)
+    high = options.get("epsilon_high") or options["epsilon"]
+    theirs = trl_loss(trl_logps, old, ref, adv, mask, weights, loss_type=loss_type, beta=0.04, max_len=8,
+                      importance_sampling_level=level, metrics=logged, **{**options, "epsilon_high": high})
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
+    assert ours_logps.grad.abs().sum() > 0
+    torch.testing.assert_close(ours_logps.grad, trl_logps.grad, rtol=1e-12, atol=1e-15)
+    names = {"clip_ratio": "clip_ratio/region_mean", "clip_ratio/low_mean": "clip_ratio/low_mean",
+             "clip_ratio/high_mean": "clip_ratio/high_mean", "cispo_clip_ratio": "cispo_clip_ratio"}
+    for ours_name, trl_name in names.items():
+        assert (ours_name in metrics) == (trl_name in logged), ours_name
+        if ours_name in metrics:
+            assert float(metrics[ours_name]) == pytest.approx(logged[trl_name][-1], abs=1e-7), ours_name
+
+
+def test_gspo_ratio_is_the_length_normalised_sequence_ratio():
+    logps, old, _, _, adv, mask = random_rollout(seed=8)
+    loss, _ = grpo_loss(logps, old, None, adv, mask, epsilon=10.0, beta=0.0, loss_type="grpo",
+                        importance_sampling_level="sequence")  # a band no ratio leaves: the unclipped surrogate
+    seq_ratio = torch.exp(((logps - old) * mask).sum(1) / mask.sum(1))  # (B,)
+    assert loss.item() == pytest.approx(-(seq_ratio * adv).mean().item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_entropy_bonus_equals_trls(loss_type):
+    logps, old, ref, _, adv, mask = random_rollout(seed=9)
+    entropies = torch.rand(logps.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2
+    ours_logps, ours_h = logps.clone().requires_grad_(True), entropies.clone().requires_grad_(True)
+    ours, metrics = grpo_loss(ours_logps, old, ref, adv, mask, epsilon=0.2, beta=0.04, loss_type=loss_type,
+                              num_items=mask.sum(), entropies=ours_h, entropy_coef=0.03)
+    ours.backward()
+    trl_logps, trl_h = logps.clone().requires_grad_(True), entropies.clone().requires_grad_(True)
+    logged = defaultdict(list)
+    theirs = trl_loss(trl_logps, old, ref, adv, mask, None, loss_type=loss_type, epsilon=0.2, epsilon_high=0.2,
+                      beta=0.04, max_len=None, entropies=trl_h, entropy_coef=0.03, metrics=logged)
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
+    torch.testing.assert_close(ours_logps.grad, trl_logps.grad, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(ours_h.grad, trl_h.grad, rtol=1e-12, atol=1e-15)
+    assert float(metrics["entropy"]) == pytest.approx(logged["entropy"][-1], rel=1e-12)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"loss_type": "cispo"}, "epsilon_high"),
+    ({"importance_sampling_level": "tokens"}, "importance_sampling_level"),
+    ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_neg"),
+    ({"entropy_coef": 0.1}, "entropies"),
+    ({"entropy_coef": -0.1}, "entropy_coef"),
+])
+def test_new_grpo_options_refuse_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        grpo_loss(LOGPS, OLD, None, ADV, MASK, beta=0.0, **kwargs)

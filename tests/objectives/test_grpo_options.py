@@ -70,6 +70,38 @@ def test_trl_names_reach_the_loss(monkeypatch):
     assert seen["args"] == (0.1, 0.0, "bnpo", 6) and seen["epsilon_high"] == 0.28
 
 
+def test_gspo_sapo_and_entropy_options_reach_the_loss(monkeypatch):
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return grpo_loss(*args, **kwargs)
+
+    monkeypatch.setattr("astrai_pl.objectives.grpo.grpo_loss", spy)
+    module = grpo(loss_type="sapo", importance_sampling_level="sequence", sapo_temperature_pos=0.7,
+                  sapo_temperature_neg=1.2)
+    module._shared_step(module.roll_out(prompts()).micro_batches[0], "train")
+    assert (seen["importance_sampling_level"], seen["sapo_temperature_pos"], seen["sapo_temperature_neg"],
+            seen["entropies"], seen["entropy_coef"]) == ("sequence", 0.7, 1.2, None, 0.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_entropy_bonus_subtracts_the_policys_mean_entropy_over_completion_tokens(temperature):
+    plain, bonus = grpo(temperature=temperature), grpo(temperature=temperature, entropy_coef=0.1)  # same weights
+    part = plain.roll_out(prompts()).micro_batches[0]
+    without, _ = plain._shared_step(part, "train")
+    with_bonus, metrics = bonus._shared_step(part, "train")
+    out = bonus.model(part["input_ids"])
+    log_p = torch.log_softmax(getattr(out, "logits", out).float() / temperature, dim=-1)  # (B, T, V)
+    entropy = -(log_p.exp() * log_p).sum(-1)  # (B, T)
+    m = part["mask"]
+    expected = (entropy * m).sum() / m.sum()
+    torch.testing.assert_close(metrics["entropy"], expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(with_bonus, without - 0.1 * expected, rtol=1e-5, atol=1e-6)
+    with_bonus.backward()
+    assert all(p.grad is not None for p in bonus.model.parameters() if p.requires_grad)
+
+
 def skewed(part, factor: float, cap: float):
     """The part with the engine's log-probs lowered by log(factor) on every other completion token, and the
     weights that should follow: min(exp(train − engine), cap)."""
