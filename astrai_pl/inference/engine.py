@@ -373,7 +373,7 @@ class Engine(StepRecovery):
             [r.params for r in reqs],
             [r.tokens for r in reqs],
             [len(r.tokens) - r.num_prompt for r in reqs],
-            [r.generator for r in reqs],
+            [r.seed for r in reqs],
         )
         for req in reqs:
             req.ready_logits = None

@@ -121,9 +121,7 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None  # set when a step failed for this request
         self.group: list[Request] = [self]  # this prompt's samples, index order once forked
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:  # sample i of n draws from seed + i
-            self.generator = torch.Generator(device).manual_seed(params.seed + index)
+        self.seed = None if params.seed is None else params.seed + index  # sample i of n draws from seed + i
 
     @property
     def output_ids(self) -> list[int]:
