@@ -13,6 +13,7 @@ import torch
 from ..model.layers import InputMajorWeights, Linear
 from .backends import StepView, model_features, select_backend
 from .cpu_decode import CpuDecode
+from .decode_graphs import DecodeGraphs
 from .pool import KVPool
 from .request import Request
 from .sampling import scored
@@ -29,6 +30,7 @@ class ModelRunner:
         self.needs = model_features(model.config)  # what the attention backend must do for this model
         # decode steps of a Llama-shaped model on CPU: one kernel call for all layers (cpu_decode.py)
         self.cpu_decode = CpuDecode.for_model(model) if device.type == "cpu" else None
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed from recordings (decode_graphs.py)
 
     def forward(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
         """Compute `n` tokens of each planned request; the requests now ready to sample and their logits.
@@ -38,7 +40,10 @@ class ModelRunner:
         if not plan:
             return [], None
         plan = sorted(plan, key=lambda item: item[1] != 1)  # decodes first, order otherwise kept
+        kernel = self._graphed(plan)
         ids, positions, out_slots = self._write_table(plan)
+        if kernel is not None:
+            return self._replay(plan, ids, positions, out_slots, kernel)
         view = StepView.build(
             self.pool.storage,
             self.pool.req_to_token.table,
@@ -80,6 +85,28 @@ class ModelRunner:
             if not ready:
                 return [], None
             return ready, self.model.lm_head(hidden[0, sample_at]).float()
+
+    def _graphed(self, plan: list[tuple[Request, int]]) -> bool | None:
+        """Whether a recorded decode step runs this plan: None (run it eagerly), else whether its attention is the
+        fused kernel's. Only plain decodes qualify: one token each, the last before sampling, none scored."""
+        if self.graphs is None:
+            return None
+        if not all(n == 1 and req.remaining == 1 and not req.scored_positions(req.num_computed, req.num_computed + 1)
+                   for req, n in plan):  # fmt: skip
+            return None
+        kernel = select_backend(self.device, self.dtype, self.needs).name == "cuda"
+        return kernel if self.graphs.usable(len(plan), kernel) else None
+
+    def _replay(self, plan, ids, positions, out_slots, kernel: bool) -> tuple[list[Request], torch.Tensor]:
+        rows = [req.row for req, _ in plan]
+        kv_lens = [req.num_computed + 1 for req, _ in plan]
+        with Linear.input_major(self.weights):
+            logits = self.graphs.run(ids, positions, out_slots, rows, kv_lens, kernel)
+        self.steps += 1  # a backend's state kept from an eager step does not follow this one
+        for req, _ in plan:
+            req.num_computed += 1
+            req.table_len = req.num_computed
+        return [req for req, _ in plan], logits
 
     def _score_prompts(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
         """Each (request, prompt position, hidden row): the log-probability of the prompt's next token there,
