@@ -191,7 +191,13 @@ def graphable(model) -> str | None:
         return f"rope_type {rope_type!r} reads sequence lengths on the host"
     if getattr(model.config, "mixer", "attention") == "rwkv":
         return "a recurrent model has no paged decode step"
+    if getattr(model.config, "num_experts", 0):
+        return "mixture-of-experts routing reads its expert assignments on the host"
     return None
+
+
+class RecordingFailed(RuntimeError):
+    """A decode step could not be recorded; the runner runs decode steps eagerly from then on."""
 
 
 def reserve_bytes(cfg, max_batch_size: int, dtype: torch.dtype) -> int:
@@ -219,12 +225,13 @@ class DecodeGraphs:
         self.record = record or (CudaStep if device.type == "cuda" else RecordedStep)
         self.mempool = torch.cuda.graph_pool_handle() if self.record is CudaStep else None
         self.graphs: dict[tuple[int, bool], object] = {}
+        self.failed: str | None = None  # why recording failed once: every step runs eagerly then
         self._logged: set[int] = set()
 
     def usable(self, n: int, kernel: bool) -> bool:
         """Whether a decode step of n rows can replay a graph (recorded already or now)."""
         bucket = bucket_for(n, self.buckets)
-        if bucket is None:
+        if bucket is None or self.failed is not None:
             return False
         if kernel or self._gather_bytes(bucket) <= GATHER_BYTES:
             return True
@@ -238,9 +245,7 @@ class DecodeGraphs:
         """Logits (n, V) float32 of one decode step of n = len(ids) rows: fill the buffers, replay its bucket."""
         bucket = bucket_for(len(ids), self.buckets)
         self.inputs.fill(ids, positions, out_slots, rows, kv_lens, bucket)
-        graph = self.graphs.get((bucket, kernel))
-        if graph is None:
-            graph = self.graphs[bucket, kernel] = self.record(self._step(bucket, kernel), self.mempool)
+        graph = self.graphs.get((bucket, kernel)) or self._record(bucket, kernel)
         graph.replay()
         return graph.output[: len(ids)].clone()  # the next replay overwrites the output
 
@@ -250,9 +255,19 @@ class DecodeGraphs:
         for bucket in reversed(self.buckets):
             if (bucket, kernel) not in self.graphs and self.usable(bucket, kernel):
                 self.inputs.fill([], [], [], [], [], bucket)  # padding only: writes reach the pad slot alone
-                self.graphs[bucket, kernel] = self.record(self._step(bucket, kernel), self.mempool)
+                self._record(bucket, kernel)
                 done += 1
         return done
+
+    def _record(self, bucket: int, kernel: bool):
+        try:
+            graph = self.graphs[bucket, kernel] = self.record(self._step(bucket, kernel), self.mempool)
+        except RuntimeError as err:  # e.g. an operation that syncs with the host while capturing
+            self.failed = f"recording the decode step of {bucket} rows failed: {err}"
+            self.graphs.clear()
+            log.warning("decode steps run eagerly from now on: %s", self.failed)
+            raise RecordingFailed(self.failed) from err
+        return graph
 
     def clear(self) -> None:
         """Forget every recording (the weights may live elsewhere now); buckets are recorded again on use."""
@@ -296,8 +311,11 @@ def record_decode_graphs(runner, pool, max_batch_size: int, reserved: int) -> De
     graphs = DecodeGraphs(runner.model, pool, max_batch_size)
     kernel = select_backend(runner.device, runner.dtype, runner.needs).name == "cuda"
     before = torch.cuda.memory_reserved(runner.device)
-    with torch.inference_mode():
-        count = graphs.record_all(kernel)
+    try:
+        with torch.inference_mode():
+            count = graphs.record_all(kernel)
+    except RecordingFailed:
+        return graphs  # logged; it refuses every step from now on
     used = torch.cuda.memory_reserved(runner.device) - before
     log.info("CUDA graphs: %d decode steps recorded (batch sizes %s), %d MiB measured against %d MiB reserved",
              count, graphs.buckets, used >> 20, reserved >> 20)  # fmt: skip

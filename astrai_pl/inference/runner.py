@@ -13,7 +13,7 @@ import torch
 from ..model.layers import InputMajorWeights, Linear
 from .backends import StepView, model_features, select_backend
 from .cpu_decode import CpuDecode
-from .decode_graphs import DecodeGraphs
+from .decode_graphs import DecodeGraphs, RecordingFailed
 from .pool import KVPool
 from .request import Request
 from .sampling import scored
@@ -43,7 +43,10 @@ class ModelRunner:
         kernel = self._graphed(plan)
         ids, positions, out_slots = self._write_table(plan)
         if kernel is not None:
-            return self._replay(plan, ids, positions, out_slots, kernel)
+            try:
+                return self._replay(plan, ids, positions, out_slots, kernel)
+            except RecordingFailed:
+                pass  # logged once; this and every later step run eagerly
         view = StepView.build(
             self.pool.storage,
             self.pool.req_to_token.table,

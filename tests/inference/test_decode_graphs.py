@@ -16,6 +16,7 @@ from astrai_pl.inference.decode_graphs import (
     batch_buckets,
     bucket_for,
     gathered_decode,
+    graphable,
 )
 from astrai_pl.model import ModelConfig
 
@@ -164,3 +165,50 @@ def test_cuda_graphs_give_the_eager_greedy_tokens_in_float32(wide_model, random_
                 runs.append(_ragged_run(engine, prompts))
     assert [c.token_ids for c in runs[1]] == [c.token_ids for c in runs[0]]
     assert engine.runner.graphs.graphs  # the decode steps did replay graphs
+
+
+def test_the_host_read_check_catches_a_model_that_syncs(wide_model, make_engine):
+    """Mixture-of-experts routing reads expert ids on the host: the engine keeps such models eager, and the strict
+    replay of a recorded step catches the read."""
+    model = wide_model(dataclasses.replace(ModelConfig.from_name("debug"), num_experts=4, num_experts_per_tok=2))
+    assert "mixture-of-experts" in graphable(model)
+    engine = make_engine(model, page_size=4, max_batch_size=4)
+    graphs = _graphed(engine, StrictStep)
+    slot = engine.pool.allocate(1)[0] * engine.pool.page_size
+    with torch.inference_mode(), pytest.raises(AssertionError, match="synchronised"):
+        graphs.run([9, 10], [0, 0], [slot, slot + 1], [0, 1], [1, 1], kernel=False)
+
+
+def test_a_failed_recording_leaves_decode_steps_eager(model, make_engine, random_prompts, caplog):
+    class Failing(RecordedStep):
+        def __init__(self, step, pool=None):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    prompts = random_prompts([7, 12, 3, 20, 9], seed=7)
+    eager = _ragged_run(make_engine(model, page_size=4, max_batch_size=8), prompts)
+    engine = make_engine(model, page_size=4, max_batch_size=8)
+    graphs = _graphed(engine, Failing)
+    assert [c.token_ids for c in _ragged_run(engine, prompts)] == [c.token_ids for c in eager]
+    assert "not permitted" in graphs.failed and not graphs.graphs
+    assert "decode steps run eagerly" in caplog.text
+
+
+def test_serve_enforce_eager_turns_the_graphs_off(monkeypatch):
+    from astrai_pl import commands
+    from astrai_pl.serve.cli import serve_parser
+
+    made = []
+    monkeypatch.setattr(commands, "load_adapted", lambda model, adapter: _Loaded())
+    monkeypatch.setattr(commands, "load_tokenizer", lambda path: type("T", (), {"vocab_size": 8})())
+    monkeypatch.setattr(commands, "Engine", lambda *args, **kwargs: made.append(kwargs))
+    for flags, want in (([], None), (["--enforce-eager"], False)):
+        commands.load_engine(serve_parser().parse_args(["--model", "m", "--tokenizer", "byte", *flags]))
+        assert made.pop()["cuda_graphs"] is want
+
+
+class _Loaded:
+    lora_config = None
+    config = type("C", (), {"vocab_size": 8})()
+
+    def eval(self):
+        return self
