@@ -176,7 +176,8 @@ class CudaStep:
             step()  # lazy initialisation, kernel selection and allocations happen outside the recording
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: a server thread using CUDA meanwhile does not invalidate the recording
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = step()
 
     def replay(self) -> None:
@@ -217,9 +218,10 @@ class DecodeGraphs:
     def __init__(self, model, pool, max_batch_size: int, record: type | None = None):
         self.model, self.pool = model, pool
         self.buckets = batch_buckets(max_batch_size)
+        if pool.available() < 2:
+            raise EngineConfigError(f"a KV pool of {pool.num_pages} page(s) has none to spare for the decode graphs' "
+                                    "padding rows; raise max_total_tokens or pass cuda_graphs=False")
         self.pages = pool.allocate(1)  # held for good: the padding rows' K/V go here
-        if not self.pages:
-            raise RuntimeError("the KV pool has no page left for the decode graphs' padding rows")
         device = pool.storage.k.device
         self.inputs = DecodeInputs(self.buckets[-1], device, self.pages[0] * pool.page_size)
         self.record = record or (CudaStep if device.type == "cuda" else RecordedStep)
@@ -291,8 +293,9 @@ class DecodeGraphs:
 
 
 # -- the Engine's side ---------------------------------------------------------------------------------------
-def graphs_wanted(cuda_graphs: bool | None, model, device: torch.device) -> bool:
-    """Whether an Engine records its decode steps: `cuda_graphs` (default: on CUDA), if the model allows."""
+def graphs_wanted(cuda_graphs: bool | None, model, device: torch.device, contiguous: bool = False) -> bool:
+    """Whether an Engine records its decode steps: `cuda_graphs` (default: on CUDA), if the model and the pool's
+    layout allow (a contiguous pool's page is a whole context: too much to hold for padding rows)."""
     if cuda_graphs is None:
         cuda_graphs = device.type == "cuda"
     if not cuda_graphs:
@@ -300,7 +303,7 @@ def graphs_wanted(cuda_graphs: bool | None, model, device: torch.device) -> bool
     if device.type != "cuda":
         raise EngineConfigError(f"Engine cuda_graphs=True needs a CUDA device, the engine is on {device}; "
                                 "leave cuda_graphs unset")  # fmt: skip
-    why = graphable(model)
+    why = "the contiguous layout has no page to spare for padding rows" if contiguous else graphable(model)
     if why is not None:
         log.info("decode steps run eagerly: %s", why)
     return why is None

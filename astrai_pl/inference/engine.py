@@ -94,7 +94,7 @@ class Engine(StepRecovery):
                 prefix_cache, contiguous,
             )  # fmt: skip
         else:
-            graphs = graphs_wanted(cuda_graphs, model, self.device)
+            graphs = graphs_wanted(cuda_graphs, model, self.device, contiguous)
             reserve = reserve_bytes(model.config, max_batch_size, self.dtype) if graphs else 0
             if graphs and max_total_tokens is None:
                 max_total_tokens = default_total_tokens(model.config, self.device, self.dtype, reserve)

@@ -323,7 +323,7 @@ def sample(
     raw, logits = logits, _finite(logits)  # a new tensor, which the penalties may replace
     penalised = [i for i, p in enumerate(params) if p.penalised]
     if penalised:
-        rows = penalised if len(penalised) < len(params) else slice(None)
+        rows = to_device(torch.tensor(penalised), logits.device) if len(penalised) < len(params) else slice(None)
         part = [params[i] for i in penalised], [contexts[i] for i in penalised], [num_outputs[i] for i in penalised]
         logits[rows] = _finite(penalise(logits[rows], *part))  # a penalty may overflow a logit to ±inf
     tokens = logits.argmax(dim=-1)

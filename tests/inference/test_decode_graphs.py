@@ -212,3 +212,9 @@ class _Loaded:
 
     def eval(self):
         return self
+
+
+def test_a_pool_without_a_page_to_spare_is_refused_by_name(model, make_engine):
+    engine = make_engine(model, page_size=4, max_total_tokens=4)
+    with pytest.raises(EngineConfigError, match="raise max_total_tokens or pass cuda_graphs=False"):
+        _graphed(engine)
