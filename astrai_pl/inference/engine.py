@@ -317,6 +317,7 @@ class Engine(StepRecovery):
     def _queue(self, req: Request, keep_deltas: bool | None) -> RequestHandle | None:
         """Track and queue `req`; its handle (None for `add_request`: its deltas go to `step()`)."""
         handle = None if keep_deltas is None else RequestHandle(req.id, self, keep_deltas)
+        req.defer_text = keep_deltas is False and not req.params.stop  # text decoded once, at the end
         self._requests[req.id] = req
         self._outbox.open(req.id, handle)
         self.scheduler.add(req)

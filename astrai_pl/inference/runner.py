@@ -4,6 +4,7 @@ Decodes come first, then prefill chunks; the `StepView` tells each attention lay
 request's tokens start and which slots hold its context. Only the rows whose next token is sampled go
 through the output projection. On CPU every Linear multiplies by an (in, out) copy of its weight
 (`InputMajorWeights`, remade when the weights change): the fast layout for the few rows of a decode.
+When the engine has recorded decode steps (`graphs`, decode_graphs.py), a step of plain decodes replays one.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ class ModelRunner:
         if not plan:
             return [], None
         plan = sorted(plan, key=lambda item: item[1] != 1)  # decodes first, order otherwise kept
-        kernel = self._graphed(plan)
+        graphed = self._graphed(plan)
         ids, positions, out_slots = self._write_table(plan)
-        if kernel is not None:
+        if graphed is not None:
             try:
-                return self._replay(plan, ids, positions, out_slots, kernel)
+                return self._replay(plan, ids, positions, out_slots, kernel=graphed)
             except RecordingFailed:
                 pass  # logged once; this and every later step run eagerly
         view = StepView.build(
