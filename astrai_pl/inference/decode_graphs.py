@@ -227,6 +227,7 @@ class DecodeGraphs:
         self.record = record or (CudaStep if device.type == "cuda" else RecordedStep)
         self.mempool = torch.cuda.graph_pool_handle() if self.record is CudaStep else None
         self.graphs: dict[tuple[int, bool], object] = {}
+        self.addresses = self._addresses()  # where the recordings read the weights
         self.failed: str | None = None  # why recording failed once: every step runs eagerly then
         self._logged: set[int] = set()
 
@@ -271,9 +272,18 @@ class DecodeGraphs:
             raise RecordingFailed(self.failed) from err
         return graph
 
-    def clear(self) -> None:
-        """Forget every recording (the weights may live elsewhere now); buckets are recorded again on use."""
+    def follow_weights(self) -> bool:
+        """After a change to the weights: forget every recording if a parameter or buffer lives elsewhere now
+        (changes in place reach the recordings as they are); buckets are recorded again on use. Whether it did."""
+        addresses = self._addresses()
+        if addresses == self.addresses:
+            return False
         self.graphs.clear()
+        self.addresses = addresses
+        return True
+
+    def _addresses(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
 
     def _gather_bytes(self, bucket: int) -> int:
         k = self.pool.storage.k

@@ -237,8 +237,8 @@ class Engine(StepRecovery):
         with self.lock:
             if self.runner.weights is not None:
                 self.runner.weights.clear()
-            if getattr(self.runner, "graphs", None) is not None:  # recorded over the old weights' memory
-                self.runner.graphs.clear()
+            if getattr(self.runner, "graphs", None) is not None:  # recorded over where the weights were
+                self.runner.graphs.follow_weights()
             self.fingerprint.clear()
             return self.reset_prefix_cache()
 

@@ -218,3 +218,25 @@ def test_a_pool_without_a_page_to_spare_is_refused_by_name(model, make_engine):
     engine = make_engine(model, page_size=4, max_total_tokens=4)
     with pytest.raises(EngineConfigError, match="raise max_total_tokens or pass cuda_graphs=False"):
         _graphed(engine)
+
+
+def test_recordings_follow_weights_that_move_and_keep_those_changed_in_place(wide_model, make_engine, random_prompts):
+    model = wide_model(ModelConfig.from_name("debug"), seed=2)
+    prompts = random_prompts([7, 12, 3, 20, 9], seed=9)
+    engine = make_engine(model, page_size=4, max_batch_size=8)
+    graphs = _graphed(engine)
+    _ragged_run(engine, prompts)
+    recorded = dict(graphs.graphs)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # in place: the recordings read the new values where they are
+    engine.weights_changed()
+    assert graphs.graphs == recorded
+    assert [c.token_ids for c in _ragged_run(engine, prompts)] == [
+        c.token_ids for c in _ragged_run(make_engine(model, page_size=4, max_batch_size=8), prompts)
+    ]
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 3.0)  # elsewhere now
+    engine.weights_changed()
+    assert not graphs.graphs
+    assert [c.token_ids for c in _ragged_run(engine, prompts)] == [
+        c.token_ids for c in _ragged_run(make_engine(model, page_size=4, max_batch_size=8), prompts)
+    ]
