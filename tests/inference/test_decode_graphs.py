@@ -164,7 +164,18 @@ def test_cuda_graphs_give_the_eager_greedy_tokens_in_float32(wide_model, random_
             with attn_backend(backend):
                 runs.append(_ragged_run(engine, prompts))
     assert [c.token_ids for c in runs[1]] == [c.token_ids for c in runs[0]]
-    assert engine.runner.graphs.graphs  # the decode steps did replay graphs
+    graphs = engine.runner.graphs
+    assert graphs.graphs  # the decode steps did replay graphs
+    slot = engine.pool.allocate(1)[0] * engine.pool.page_size
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # filling the buffers and replaying never wait for the GPU
+    try:
+        with torch.inference_mode():
+            logits = graphs.run([9, 10, 11], [0, 0, 0], [slot, slot + 1, slot + 2], [0, 1, 2], [1, 1, 1],
+                                kernel=next(iter(graphs.graphs))[1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logits.shape == (3, model.config.vocab_size)
 
 
 def test_the_host_read_check_catches_a_model_that_syncs(wide_model, make_engine):

@@ -129,3 +129,24 @@ def test_one_read_back_per_call_whatever_the_options(monkeypatch, logprobs):
     assert len(tokens) == n and (chosen is None) == (logprobs == 0)
     if logprobs:
         assert [len(t) for t in top] == [3] * n and all(t[0][1] >= t[1][1] for t in top)
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_nothing_waits_for_the_host_before_the_read_back():
+    """Penalties, truncation and seeded draws of every combination, with CUDA's sync checker set to raise."""
+    from astrai_pl.inference.sampling import _draw
+
+    n = len(COMBOS)
+    logits, contexts, num_outputs = batch(n, seed=11)
+    params = [SamplingParams(seed=i if i % 2 else None, **c) for i, c in enumerate(COMBOS)]
+    logits = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        penalised = penalise(logits.clone(), params, contexts, num_outputs)
+        drawn = _draw(_finite(penalised), params, num_outputs, [p.seed for p in params])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cpu = penalise(logits.cpu(), params, contexts, num_outputs)
+    torch.testing.assert_close(penalised.cpu(), cpu)
+    assert drawn.shape == (n,) and bool(((drawn >= 0) & (drawn < V)).all())
