@@ -88,13 +88,13 @@ class Engine(StepRecovery):
         max_step_tokens = positive(
             "max_step_tokens", (8192 if gpu else 1024) if max_step_tokens is None else max_step_tokens
         )
+        graphs = graphs_wanted(cuda_graphs, model, self.device, contiguous)  # False, logged, for RWKV
         if is_recurrent(model):  # RWKV: a state slot per request instead of K/V pages (recurrent.py)
             self.pool, self.max_context, self.scheduler, self.runner = build_recurrent(
                 model, self.device, self.dtype, page_size, max_total_tokens, max_batch_size, max_step_tokens,
                 prefix_cache, contiguous,
             )  # fmt: skip
         else:
-            graphs = graphs_wanted(cuda_graphs, model, self.device, contiguous)
             reserve = reserve_bytes(model.config, max_batch_size, self.dtype) if graphs else 0
             if graphs and max_total_tokens is None:
                 max_total_tokens = default_total_tokens(model.config, self.device, self.dtype, reserve)

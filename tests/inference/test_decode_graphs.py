@@ -251,3 +251,17 @@ def test_recordings_follow_weights_that_move_and_keep_those_changed_in_place(wid
     assert [c.token_ids for c in _ragged_run(engine, prompts)] == [
         c.token_ids for c in _ragged_run(make_engine(model, page_size=4, max_batch_size=8), prompts)
     ]
+
+
+def test_the_graphs_reserve_comes_out_of_the_pools_share(monkeypatch):
+    from astrai_pl.inference.decode_graphs import reserve_bytes
+    from astrai_pl.inference.pool import default_total_tokens
+
+    cfg = ModelConfig.from_name("debug")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 1024**3, 16 * 1024**3))
+    cuda, dtype = torch.device("cuda"), torch.bfloat16
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_size * dtype.itemsize
+    reserve = reserve_bytes(cfg, 256, dtype)
+    assert reserve > 256 * cfg.vocab_size * (dtype.itemsize + 4)  # at least the largest bucket's logits
+    full, less = default_total_tokens(cfg, cuda, dtype), default_total_tokens(cfg, cuda, dtype, reserve)
+    assert full - less == pytest.approx(reserve / per_token, abs=1)
