@@ -228,8 +228,9 @@ def penalise(
     """`apply_penalties` of every row at once, on the device: one copy of the padded contexts to it and no
     read back. Returns the penalised (P, V) logits.
 
-    seen[r, t] = t in row r's context; counts[r, t] = times t was generated in row r;
-    l' = (l / rep if l > 0 else l · rep) where seen, then l' − freq · counts − presence · [counts > 0].
+    For each id t of row r's context: l'[r, t] = l / rep if l > 0 else l · rep (gathered at the context's ids and
+    scattered back, so only those entries are touched); then, with counts[r, t] the times t was generated in row r,
+    l' − freq · counts − presence · [counts > 0]. Contexts are padded with id V, a column added for the purpose.
     """
     P, V = logits.shape
     width = max(1, max(len(c) for c in contexts))
@@ -243,12 +244,15 @@ def penalise(
     rates = to_device(torch.tensor(
         [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params], dtype=torch.float32
     ), logits.device)  # (P, 3)
-    seen = torch.zeros(P, V + 1, dtype=torch.bool, device=logits.device).scatter_(1, ids[0], True)[:, :V]
-    ones = torch.ones(ids.shape[1:], device=logits.device)
-    counts = torch.zeros(P, V + 1, device=logits.device).scatter_add_(1, ids[1], ones)[:, :V]
     rep, freq, presence = rates[:, 0:1], rates[:, 1:2], rates[:, 2:3]
-    logits = torch.where(seen & (rep != 1), torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - (freq * counts + presence * (counts > 0).to(logits.dtype))
+    padded = torch.cat([logits, logits.new_zeros(P, 1)], dim=1)  # (P, V+1): column V takes the padding
+    if any(p.repetition_penalty != 1 for p in params):  # only the context's entries are read and written
+        picked = padded.gather(1, ids[0])  # (P, W); a repeated id reads and writes the same value
+        padded.scatter_(1, ids[0], torch.where(picked > 0, picked / rep, picked * rep))
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        counts = torch.zeros_like(padded).scatter_add_(1, ids[1], torch.ones(ids.shape[1:], device=logits.device))
+        padded -= freq * counts + presence * (counts > 0).to(logits.dtype)
+    return padded[:, :V]
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -326,11 +330,10 @@ def sample(
         rows = to_device(torch.tensor(penalised), logits.device) if len(penalised) < len(params) else slice(None)
         part = [params[i] for i in penalised], [contexts[i] for i in penalised], [num_outputs[i] for i in penalised]
         logits[rows] = _finite(penalise(logits[rows], *part))  # a penalty may overflow a logit to ±inf
-    tokens = logits.argmax(dim=-1)
-    if not all(p.greedy for p in params):
-        draws = _draw(logits, params, num_outputs, seeds)
-        greedy = to_device(torch.tensor([p.greedy for p in params]), logits.device)
-        tokens = torch.where(greedy, tokens, draws)
+    if all(p.greedy for p in params):
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = _draw(logits, params, num_outputs, seeds)
     top = [p.top_logprobs for p in params]
     if not any(p.logprobs for p in params):
         return tokens.tolist(), None, None  # the step's one read back
@@ -383,13 +386,14 @@ def _draw(
     num_outputs: list[int],
     seeds: list[int | None],
 ) -> torch.Tensor:
-    """One token per row, every row drawn (greedy rows are the caller's to overwrite). A row without
-    probability mass (no finite logit) gets its argmax, so the token is always a vocabulary id."""
+    """One token per row: its argmax for a greedy row, else a draw. A row without probability mass (no finite
+    logit) gets its argmax too, so the token is always a vocabulary id."""
     device, (N, V) = logits.device, logits.shape
-    fallback = logits.argmax(dim=-1)
+    argmax = logits.argmax(dim=-1)
     knobs = to_device(torch.tensor(
-        [[p.temperature or 1.0, min(p.top_k, V), p.top_p, p.min_p, p.truncated] for p in params], dtype=torch.float64
-    ), device)  # (N, 5): one copy of every row's settings
+        [[p.temperature or 1.0, min(p.top_k, V), p.top_p, p.min_p, p.truncated, p.greedy] for p in params],
+        dtype=torch.float64,
+    ), device)  # (N, 6): one copy of every row's settings
     # (l - max) / T: the same distribution as l / T, no overflow however small T is, and for T = 1 the very
     # numbers softmax makes of l itself (it subtracts the max too), so a row draws the same in any batch
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / knobs[:, 0:1].to(torch.float32)
@@ -409,4 +413,4 @@ def _draw(
     total = torch.where(massless[:, None], torch.ones_like(total), total)
     u = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # u < C_last, always
     drawn = torch.searchsorted(cdf, u, right=True)[:, 0]
-    return torch.where(massless, fallback, drawn.clamp_max(V - 1))
+    return torch.where(massless | (knobs[:, 5] > 0), argmax, drawn.clamp_max(V - 1))
