@@ -119,7 +119,8 @@ def load_engine(ns: argparse.Namespace) -> tuple[Engine, Tokenizer, list[int]]:
     hf_dir = path.is_dir() and not is_sharded_checkpoint(path)
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine(model, tokenizer, device=device, dtype=getattr(torch, ns.dtype) if ns.dtype else None,
-                    max_total_tokens=ns.max_total_tokens)
+                    max_total_tokens=ns.max_total_tokens,
+                    cuda_graphs=False if getattr(ns, "enforce_eager", False) else None)  # serve --enforce-eager
     return engine, tokenizer, generation_eos_ids(path) if hf_dir else []
 
 

@@ -27,9 +27,10 @@ import torch
 from ..model.layers import long_rope_after
 from .admission import Prompt, is_single_prompt, new_request, params_per_prompt, text_stream
 from .cache import CapacityError, InferenceError
+from .decode_graphs import graphs_wanted, record_decode_graphs, reserve_bytes
 from .handle import Outbox, RequestHandle
 from .loop import BackgroundLoop
-from .pool import EngineConfigError, PoolUsage, build_pool, positive
+from .pool import EngineConfigError, PoolUsage, build_pool, default_total_tokens, positive
 from .recovery import StepRecovery
 from .recurrent import build_recurrent, is_recurrent
 from .request import Completion, Delta, Request, end_ids, is_sample_of
@@ -58,6 +59,7 @@ class Engine(StepRecovery):
         contiguous: bool = False,
         max_step_tokens: int | None = None,
         debug: bool | None = None,
+        cuda_graphs: bool | None = None,
     ):
         """Serve `model` (a Transformer). `tokenizer` (optional) turns strings into ids and ids into text.
 
@@ -67,7 +69,8 @@ class Engine(StepRecovery):
         prompt prefixes across requests. contiguous: give each request one region spanning the whole
         context (req_to_token a linear map; no prefix cache). max_step_tokens: new tokens per forward,
         the chunked-prefill size. debug: recheck the pool's accounting after every step (default: the
-        ASTRAI_INFERENCE_DEBUG environment variable).
+        ASTRAI_INFERENCE_DEBUG environment variable). cuda_graphs: replay decode steps from CUDA graphs, one
+        per batch-size bucket (default: on CUDA; decode_graphs.py); their memory comes out of the pool's share.
         """
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
@@ -85,18 +88,24 @@ class Engine(StepRecovery):
         max_step_tokens = positive(
             "max_step_tokens", (8192 if gpu else 1024) if max_step_tokens is None else max_step_tokens
         )
+        graphs = graphs_wanted(cuda_graphs, model, self.device, contiguous)  # False, logged, for RWKV
         if is_recurrent(model):  # RWKV: a state slot per request instead of K/V pages (recurrent.py)
             self.pool, self.max_context, self.scheduler, self.runner = build_recurrent(
                 model, self.device, self.dtype, page_size, max_total_tokens, max_batch_size, max_step_tokens,
                 prefix_cache, contiguous,
             )  # fmt: skip
         else:
+            reserve = reserve_bytes(model.config, max_batch_size, self.dtype) if graphs else 0
+            if graphs and max_total_tokens is None:
+                max_total_tokens = default_total_tokens(model.config, self.device, self.dtype, reserve)
             self.pool, self.max_context = build_pool(
                 model.config, self.device, self.dtype, page_size, max_total_tokens, max_batch_size, prefix_cache,
                 contiguous,
             )  # fmt: skip
             self.scheduler = Scheduler(self.pool, max_batch_size, max_step_tokens, long_rope_after(model.config))
             self.runner = ModelRunner(model, self.pool, self.device, self.dtype)
+            if graphs:
+                self.runner.graphs = record_decode_graphs(self.runner, self.pool, max_batch_size, reserve)
         self.page_size = self.pool.page_size
         self.eos_token_ids = end_ids(model, tokenizer)
         self.sessions: dict[str, Session] = {}
@@ -228,6 +237,8 @@ class Engine(StepRecovery):
         with self.lock:
             if self.runner.weights is not None:
                 self.runner.weights.clear()
+            if getattr(self.runner, "graphs", None) is not None:  # recorded over where the weights were
+                self.runner.graphs.follow_weights()
             self.fingerprint.clear()
             return self.reset_prefix_cache()
 
@@ -306,6 +317,7 @@ class Engine(StepRecovery):
     def _queue(self, req: Request, keep_deltas: bool | None) -> RequestHandle | None:
         """Track and queue `req`; its handle (None for `add_request`: its deltas go to `step()`)."""
         handle = None if keep_deltas is None else RequestHandle(req.id, self, keep_deltas)
+        req.defer_text = keep_deltas is False and not req.params.stop  # text decoded once, at the end
         self._requests[req.id] = req
         self._outbox.open(req.id, handle)
         self.scheduler.add(req)
@@ -373,7 +385,7 @@ class Engine(StepRecovery):
             [r.params for r in reqs],
             [r.tokens for r in reqs],
             [len(r.tokens) - r.num_prompt for r in reqs],
-            [r.generator for r in reqs],
+            [r.seed for r in reqs],
         )
         for req in reqs:
             req.ready_logits = None
@@ -456,7 +468,10 @@ class Engine(StepRecovery):
         """Recount the pool: free + evictable + in use == total, no page or row owned twice, tables right;
         every tracked request queued or running, every open handle and step() id one of a tracked request."""
         with self.lock:
-            usage = self.scheduler.check([s.pages for s in self.sessions.values()], self.sessions.values())
+            held = [s.pages for s in self.sessions.values()]
+            if getattr(self.runner, "graphs", None) is not None:
+                held.append(self.runner.graphs.pages)  # the padding rows' page
+            usage = self.scheduler.check(held, self.sessions.values())
             scheduled = {r.id for r in (*self.scheduler.waiting, *self.scheduler.running)}
             assert scheduled == set(self._requests), (
                 f"tracked {sorted(self._requests)}, scheduled {sorted(scheduled)}"

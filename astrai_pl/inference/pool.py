@@ -29,13 +29,14 @@ from .cache import InferenceError, KVStorage, PageAllocator, ReqToTokenPool
 from .radix import RadixCache
 
 
-def default_total_tokens(cfg, device: torch.device, dtype: torch.dtype) -> int:
-    """KV pool size for a ModelConfig: 80% of free GPU memory; on CPU 64 contexts, at most 32k tokens."""
+def default_total_tokens(cfg, device: torch.device, dtype: torch.dtype, reserve: int = 0) -> int:
+    """KV pool size for a ModelConfig: 80% of free GPU memory less `reserve` bytes (the decode graphs'); on CPU
+    64 contexts, at most 32k tokens."""
     max_context = cfg.max_position_embeddings
     if device.type == "cuda":
         per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_size * dtype.itemsize
         free, _ = torch.cuda.mem_get_info(device)
-        return max(max_context, int(0.8 * free) // per_token)
+        return max(max_context, (int(0.8 * free) - reserve) // per_token)
     return min(32768, 64 * max_context)
 
 

@@ -121,9 +121,10 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None  # set when a step failed for this request
         self.group: list[Request] = [self]  # this prompt's samples, index order once forked
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:  # sample i of n draws from seed + i
-            self.generator = torch.Generator(device).manual_seed(params.seed + index)
+        self.seed = None if params.seed is None else params.seed + index  # sample i of n draws from seed + i
+        # nobody reads this request's text before it ends (generate, rollouts) and no stop string needs it: its
+        # ids are decoded once at the end instead of at every step (TextStream.add)
+        self.defer_text = False
 
     @property
     def output_ids(self) -> list[int]:
@@ -163,6 +164,7 @@ class Request:
         clone.started, clone.cached_tokens, clone.group = True, clone.num_prompt, self.group
         clone.kv_from_file = self.kv_from_file  # it starts on a copy of this request's pages
         clone.prompt_logprobs = self.prompt_logprobs  # computed once, by this request's prefill
+        clone.defer_text = self.defer_text
         self.group.append(clone)
         return clone
 
@@ -189,7 +191,9 @@ class Request:
         if token in params.stop_token_ids or (not params.ignore_eos and token in end_ids):
             reason = "stop"  # the stop id is kept in token_ids, left out of the text
         else:
-            if self.stream is not None:
+            if self.stream is not None and self.defer_text:
+                self.stream.add(token)
+            elif self.stream is not None:
                 text = self.stream.push(token)
                 reason = "stop" if self.stream.stopped else None
             if reason is None and (
@@ -202,6 +206,8 @@ class Request:
 
     def completion(self) -> Completion:
         assert self.finished, "completion() of a running request"
+        if self.defer_text and self.stream is not None:
+            self.stream.finish()  # ids an error or abort left undecoded (a no-op after the end's finish)
         return Completion(
             token_ids=self.output_ids,
             text=self.stream.text if self.stream is not None else "",

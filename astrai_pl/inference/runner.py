@@ -4,6 +4,7 @@ Decodes come first, then prefill chunks; the `StepView` tells each attention lay
 request's tokens start and which slots hold its context. Only the rows whose next token is sampled go
 through the output projection. On CPU every Linear multiplies by an (in, out) copy of its weight
 (`InputMajorWeights`, remade when the weights change): the fast layout for the few rows of a decode.
+When the engine has recorded decode steps (`graphs`, decode_graphs.py), a step of plain decodes replays one.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from ..model.layers import InputMajorWeights, Linear
 from .backends import StepView, model_features, select_backend
 from .cpu_decode import CpuDecode
+from .decode_graphs import DecodeGraphs, RecordingFailed
 from .pool import KVPool
 from .request import Request
 from .sampling import scored
@@ -29,6 +31,7 @@ class ModelRunner:
         self.needs = model_features(model.config)  # what the attention backend must do for this model
         # decode steps of a Llama-shaped model on CPU: one kernel call for all layers (cpu_decode.py)
         self.cpu_decode = CpuDecode.for_model(model) if device.type == "cpu" else None
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed from recordings (decode_graphs.py)
 
     def forward(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
         """Compute `n` tokens of each planned request; the requests now ready to sample and their logits.
@@ -38,7 +41,13 @@ class ModelRunner:
         if not plan:
             return [], None
         plan = sorted(plan, key=lambda item: item[1] != 1)  # decodes first, order otherwise kept
+        graphed = self._graphed(plan)
         ids, positions, out_slots = self._write_table(plan)
+        if graphed is not None:
+            try:
+                return self._replay(plan, ids, positions, out_slots, kernel=graphed)
+            except RecordingFailed:
+                pass  # logged once; this and every later step run eagerly
         view = StepView.build(
             self.pool.storage,
             self.pool.req_to_token.table,
@@ -80,6 +89,28 @@ class ModelRunner:
             if not ready:
                 return [], None
             return ready, self.model.lm_head(hidden[0, sample_at]).float()
+
+    def _graphed(self, plan: list[tuple[Request, int]]) -> bool | None:
+        """Whether a recorded decode step runs this plan: None (run it eagerly), else whether its attention is the
+        fused kernel's. Only plain decodes qualify: one token each, the last before sampling, none scored."""
+        if self.graphs is None:
+            return None
+        if not all(n == 1 and req.remaining == 1 and not req.scored_positions(req.num_computed, req.num_computed + 1)
+                   for req, n in plan):  # fmt: skip
+            return None
+        kernel = select_backend(self.device, self.dtype, self.needs).name == "cuda"
+        return kernel if self.graphs.usable(len(plan), kernel) else None
+
+    def _replay(self, plan, ids, positions, out_slots, kernel: bool) -> tuple[list[Request], torch.Tensor]:
+        rows = [req.row for req, _ in plan]
+        kv_lens = [req.num_computed + 1 for req, _ in plan]
+        with Linear.input_major(self.weights):
+            logits = self.graphs.run(ids, positions, out_slots, rows, kv_lens, kernel)
+        self.steps += 1  # a backend's state kept from an eager step does not follow this one
+        for req, _ in plan:
+            req.num_computed += 1
+            req.table_len = req.num_computed
+        return [req for req, _ in plan], logits
 
     def _score_prompts(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
         """Each (request, prompt position, hidden row): the log-probability of the prompt's next token there,

@@ -207,6 +207,7 @@ def apply_penalties(
     context: torch.Tensor,  # (L,) int64 prompt + output ids
     output: torch.Tensor,  # (M,) int64 output ids
 ) -> None:
+    """One row's penalties: the reference that `penalise` (every row at once, no host sync) must equal."""
     if params.repetition_penalty != 1 and context.numel():
         seen = context.unique()
         picked = logits[seen]
@@ -216,6 +217,49 @@ def apply_penalties(
     if (params.frequency_penalty or params.presence_penalty) and output.numel():
         counts = torch.bincount(output, minlength=logits.shape[0]).to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def penalise(
+    logits: torch.Tensor,  # (P, V) float32 of the penalised rows
+    params: list[SamplingParams],
+    contexts: list[list[int]],  # prompt + output ids of each row
+    num_outputs: list[int],
+) -> torch.Tensor:
+    """`apply_penalties` of every row at once, on the device: one copy of the padded contexts to it and no
+    read back. Returns the penalised (P, V) logits.
+
+    For each id t of row r's context: l'[r, t] = l / rep if l > 0 else l · rep (gathered at the context's ids and
+    scattered back, so only those entries are touched); then, with counts[r, t] the times t was generated in row r,
+    l' − freq · counts − presence · [counts > 0]. Contexts are padded with id V, a column added for the purpose.
+    """
+    P, V = logits.shape
+    width = max(1, max(len(c) for c in contexts))
+    lengths = torch.tensor([len(c) for c in contexts])
+    at = torch.arange(width)[None]  # (1, W)
+    ids = torch.full((2, P, width), V, dtype=torch.int64)  # padding: column V, dropped below
+    ids[0][at < lengths[:, None]] = torch.tensor([t for c in contexts for t in c], dtype=torch.int64)
+    is_output = (at >= (lengths - torch.tensor(num_outputs))[:, None]) & (at < lengths[:, None])
+    ids[1] = torch.where(is_output, ids[0], V)
+    ids = to_device(ids, logits.device)  # (2, P, W)
+    rates = to_device(torch.tensor(
+        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params], dtype=torch.float32
+    ), logits.device)  # (P, 3)
+    rep, freq, presence = rates[:, 0:1], rates[:, 1:2], rates[:, 2:3]
+    padded = torch.cat([logits, logits.new_zeros(P, 1)], dim=1)  # (P, V+1): column V takes the padding
+    if any(p.repetition_penalty != 1 for p in params):  # only the context's entries are read and written
+        picked = padded.gather(1, ids[0])  # (P, W); a repeated id reads and writes the same value
+        padded.scatter_(1, ids[0], torch.where(picked > 0, picked / rep, picked * rep))
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        counts = torch.zeros_like(padded).scatter_add_(1, ids[1], torch.ones(ids.shape[1:], device=logits.device))
+        padded -= freq * counts + presence * (counts > 0).to(logits.dtype)
+    return padded[:, :V]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU from pinned memory without waiting for the copy (no host sync)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def mask_top_k_top_p_min_p(
@@ -238,35 +282,65 @@ def mask_top_k_top_p_min_p(
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+# -- seeded draws: a counter-based generator, u = f(seed, tokens drawn so far) --------------------------------------
+def _int64(x: int) -> int:
+    """x mod 2**64 as a signed 64-bit integer (what an int64 tensor holds)."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+
+
+def _shift_right(z: torch.Tensor, s: int) -> torch.Tensor:
+    return (z >> s) & ((1 << (64 - s)) - 1)  # logical: int64 tensors shift arithmetically
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser (Steele, Lea & Flood, 2014) on int64 tensors; products wrap mod 2**64."""
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def seeded_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """(N,) float64 in [0, 1): u = mix(mix(seed + γ) + (counter + 1)·γ) / 2**64, to 53 bits.
+
+    A pure function of (seed, counter): a seeded request's n-th draw is the same in any batch, on any device,
+    after a preemption, and costs no generator object or launch of its own. seeds, counters: (N,) int64.
+    """
+    z = _mix(_mix(seeds + _GOLDEN) + (counters + 1) * _GOLDEN)
+    return _shift_right(z, 11).to(torch.float64) * 2.0**-53
+
+
+# -- the batched sampler ------------------------------------------------------------------------------------------
 def sample(
     logits: torch.Tensor,  # (N, V) float32 raw model logits, one row per request
     params: list[SamplingParams],
     contexts: list[list[int]],  # prompt + output ids of each request
     num_outputs: list[int],  # how many of those ids are output
-    generators: list[torch.Generator | None],
+    seeds: list[int | None],  # each row's seed (None: the shared generator)
 ) -> tuple[list[int], list[float] | None, list[Alternatives] | None]:
     """The next token of every row; if any row asks, the raw log-probabilities of the chosen tokens and
-    each row's `top_logprobs` most likely tokens."""
-    want_logprobs = any(p.logprobs for p in params)
-    raw, logits = logits, _finite(logits)  # a new tensor, which the penalties may write into
-    if any(p.penalised for p in params):
-        for i, p in enumerate(params):
-            if p.penalised:
-                ctx = torch.tensor(contexts[i], dtype=torch.int64, device=logits.device)
-                apply_penalties(logits[i], p, ctx, ctx[len(ctx) - num_outputs[i] :])
-        logits = _finite(logits)  # a penalty may overflow a logit to ±inf
-    drawn = [i for i, p in enumerate(params) if not p.greedy]
-    if len(drawn) == len(params):  # every row samples: no argmax to overwrite
-        tokens = _draw(logits, params, generators)
-    else:
+    each row's `top_logprobs` most likely tokens. Every row is computed together on the logits' device;
+    what comes back to the host is one copy of the chosen ids (and log-probabilities), once per call."""
+    raw, logits = logits, _finite(logits)  # a new tensor, which the penalties may replace
+    penalised = [i for i, p in enumerate(params) if p.penalised]
+    if penalised:
+        rows = to_device(torch.tensor(penalised), logits.device) if len(penalised) < len(params) else slice(None)
+        part = [params[i] for i in penalised], [contexts[i] for i in penalised], [num_outputs[i] for i in penalised]
+        logits[rows] = _finite(penalise(logits[rows], *part))  # a penalty may overflow a logit to ±inf
+    if all(p.greedy for p in params):
         tokens = logits.argmax(dim=-1)
-        if drawn:
-            tokens[drawn] = _draw(logits[drawn], [params[i] for i in drawn], [generators[i] for i in drawn])
-    token_list = tokens.tolist()
-    if not want_logprobs:
-        return token_list, None, None
-    chosen, top = scored(raw, tokens, [p.top_logprobs for p in params])
-    return token_list, chosen, top
+    else:
+        tokens = _draw(logits, params, num_outputs, seeds)
+    top = [p.top_logprobs for p in params]
+    if not any(p.logprobs for p in params):
+        return tokens.tolist(), None, None  # the step's one read back
+    columns, k = _score_columns(raw, tokens, top)
+    host = torch.cat([tokens[:, None].to(torch.float64), columns], dim=1).tolist()  # the step's one read back
+    chosen, alternatives = _unpack([row[1:] for row in host], k, top)
+    return [int(row[0]) for row in host], chosen, alternatives
 
 
 Alternatives = list[tuple[int, float]]  # (token id, log-probability), most likely first
@@ -278,15 +352,27 @@ def scored(
     top: list[int],  # alternatives wanted per row
 ) -> tuple[list[float], list[Alternatives] | None]:
     """Each row's log-probability of its token, and its `top[i]` most likely tokens (None if no row asks).
-    NaN counts as -inf, as in sampling."""
+    NaN counts as -inf, as in sampling. One copy to the host."""
+    columns, k = _score_columns(logits, tokens, top)
+    return _unpack(columns.tolist(), k, top)
+
+
+def _score_columns(logits: torch.Tensor, tokens: torch.Tensor, top: list[int]) -> tuple[torch.Tensor, int]:
+    """(N, 1 + 2k) float64 on the device: the chosen token's log-probability, then k top values and k top ids."""
     logp = _finite(logits.float()).log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+    chosen = logp.gather(1, tokens[:, None])  # (N, 1)
     k = min(max(top, default=0), logp.shape[-1])
     if k == 0:
-        return chosen, None
+        return chosen.to(torch.float64), 0
     values, ids = logp.topk(k, dim=-1)
-    values, ids = values.tolist(), ids.tolist()
-    return chosen, [list(zip(ids[i][:n], values[i][:n])) for i, n in enumerate(top)]
+    return torch.cat([chosen.double(), values.double(), ids.double()], dim=1), k
+
+
+def _unpack(rows: list[list[float]], k: int, top: list[int]) -> tuple[list[float], list[Alternatives] | None]:
+    chosen = [row[0] for row in rows]
+    if k == 0:
+        return chosen, None
+    return chosen, [list(zip((int(t) for t in row[1 + k : 1 + k + n]), row[1 : 1 + n])) for row, n in zip(rows, top)]
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
@@ -295,36 +381,36 @@ def _finite(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(
-    logits: torch.Tensor,  # (M, V), no NaN or +inf
+    logits: torch.Tensor,  # (N, V), no NaN or +inf
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    num_outputs: list[int],
+    seeds: list[int | None],
 ) -> torch.Tensor:
-    """One token per row. A row without probability mass (no finite logit) gets its argmax, so the
-    token is always a vocabulary id."""
-    device, V = logits.device, logits.shape[-1]
-    fallback = logits.argmax(dim=-1)
-    if any(p.temperature != 1 for p in params):
-        # (l - max) / T: the same distribution as l / T, and no overflow however small T is
-        temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    """One token per row: its argmax for a greedy row, else a draw. A row without probability mass (no finite
+    logit) gets its argmax too, so the token is always a vocabulary id."""
+    device, (N, V) = logits.device, logits.shape
+    argmax = logits.argmax(dim=-1)
+    knobs = to_device(torch.tensor(
+        [[p.temperature or 1.0, min(p.top_k, V), p.top_p, p.min_p, p.truncated, p.greedy] for p in params],
+        dtype=torch.float64,
+    ), device)  # (N, 6): one copy of every row's settings
+    # (l - max) / T: the same distribution as l / T, no overflow however small T is, and for T = 1 the very
+    # numbers softmax makes of l itself (it subtracts the max too), so a row draws the same in any batch
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / knobs[:, 0:1].to(torch.float32)
     if any(p.truncated for p in params):
-        logits = mask_top_k_top_p_min_p(
-            logits,
-            torch.tensor([min(p.top_k, V) for p in params], device=device),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-        )
-    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)  # (M, V); exact zeros outside the kept set
-    u = torch.empty(len(params), 1, dtype=torch.float64, device=device)
-    shared = [i for i, g in enumerate(generators) if g is None]
-    if shared:
-        u[shared] = torch.rand(len(shared), 1, dtype=torch.float64, device=device)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand(1, dtype=torch.float64, device=device, generator=g)
+        top_p, min_p = knobs[:, 2].to(torch.float32), knobs[:, 3].to(torch.float32)
+        masked = mask_top_k_top_p_min_p(logits, knobs[:, 1].to(torch.int64), top_p, min_p)
+        logits = torch.where(knobs[:, 4:5] > 0, masked, logits)  # untruncated rows exactly as alone
+    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)  # (N, V); exact zeros outside the kept set
+    u = torch.rand(N, dtype=torch.float64, device=device)
+    if any(s is not None for s in seeds):
+        counters = to_device(torch.tensor(
+            [[_int64(s or 0), n, s is not None] for s, n in zip(seeds, num_outputs)], dtype=torch.int64
+        ), device)  # (N, 3)
+        u = torch.where(counters[:, 2] > 0, seeded_uniform(counters[:, 0], counters[:, 1]), u)
     total = cdf[:, -1:]
     massless = ~(total[:, 0] > 0)  # NaN or 0: no finite logit in the row
     total = torch.where(massless[:, None], torch.ones_like(total), total)
-    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # u < C_last, always
+    u = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # u < C_last, always
     drawn = torch.searchsorted(cdf, u, right=True)[:, 0]
-    return torch.where(massless, fallback, drawn.clamp_max(V - 1))
+    return torch.where(massless | (knobs[:, 5] > 0), argmax, drawn.clamp_max(V - 1))

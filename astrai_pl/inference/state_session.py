@@ -255,7 +255,7 @@ def _decode(model, turns: list[_Turn], stop_ids: set[int]) -> None:
     while running:
         reqs = [t.request for t in running]
         tokens, chosen, top = sample(logits, [r.params for r in reqs], [r.tokens for r in reqs],
-                                     [len(r.output_ids) for r in reqs], [r.generator for r in reqs])
+                                     [len(r.output_ids) for r in reqs], [r.seed for r in reqs])
         going = []
         for row, (turn, token) in enumerate(zip(running, tokens)):
             _, reason = turn.request.append(token, None if chosen is None else chosen[row], stop_ids, sys.maxsize,

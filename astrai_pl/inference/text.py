@@ -42,6 +42,12 @@ class TextStream:
             self._window, self._read = self._read, len(self.ids)
         return self._emit(final=False)
 
+    def add(self, token_id: int) -> None:
+        """Add one generated id without decoding it: its text comes with the next `push` or `finish`, in one
+        decode (for a request whose text nobody reads before it ends, and that has no stop string to find)."""
+        assert not self.stop, "an id whose text may hold a stop string must be pushed"
+        self.ids.append(token_id)
+
     def finish(self) -> str:
         """The rest of the text at the end of the request, incomplete bytes included (as U+FFFD)."""
         if not self.stopped:

@@ -50,6 +50,8 @@ def serve_parser() -> argparse.ArgumentParser:
                        help="longest prompt + completion served, in tokens (default: the engine's context)")
     group.add_argument("--served-model-name", default=None,
                        help="the model id clients pass as 'model' (default: the --model path's name)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="run every decode step eagerly, without CUDA graphs (on by default on a GPU)")
     group.add_argument("--graceful-timeout", type=_at_least(0, float), default=30.0,
                        help="seconds requests in flight may take to finish on shutdown before they are aborted")
     sessions = parser.add_argument_group("sessions (/v1/sessions)")
