@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.decode_libs import DECODE_LIBS
 from ..ops.prefill import PagedBatch, prefill
 from .cache import InferenceError
 from .step_view import AttentionBackend, StepView
@@ -116,13 +117,15 @@ class _CudaStep:
     max_kv: int  # longest context of those (from the scheduler's lists: no device read)
     prefill: PagedBatch | None  # the other requests, for the prefill path (None: a decode-only step)
     choice: str  # the prefill implementation (astrai_pl.ops.prefill.prefill_choice)
+    decode: str = "kernel"  # the decode implementation (astrai_pl.ops.decode_libs.decode_choice)
+    decodes: PagedBatch | None = None  # the decoding requests, for a library decode
 
 
 class CudaBackend:
     """The fused decode kernel of `astrai_pl.ops` and a library kernel for prompts, reading the pool in place.
 
     The request table is the page table (a token slot is a one-token page). The step's decodes (its first
-    requests) run `paged_decode`; the other requests run the prefill implementation that
+    requests) run `paged_decode`, or the library `ASTRAI_DECODE` names (`astrai_pl.ops.decode_libs`); the other requests run the prefill implementation that
     `astrai_pl.ops.prefill.prefill_choice` picks (`ASTRAI_PREFILL`). Every length comes from the
     scheduler's lists, so preparing a step reads nothing back from the device.
     """
@@ -141,16 +144,21 @@ class CudaBackend:
         return None if why is None else f"the fused kernels cannot run ({why})"
 
     def prepare(self, view: StepView, num_q_heads: int) -> _CudaStep:
+        from ..ops.decode_libs import decode_choice
         from ..ops.prefill import prefill_choice
 
         nd, kv_lens = view.num_decode, view.kv_lens
+        device, dtype = view.rows.device, view.storage.k.dtype
         batch = None
         if nd < len(kv_lens):
             rest = kv_lens[nd:]
             table = view.req_to_token[view.rows[nd:], : max(rest)]
             batch = PagedBatch(view.extend_lens[nd:], rest, table, view.page_size)
-        choice = prefill_choice(view.rows.device, view.storage.k.dtype)
-        return _CudaStep(nd, max(kv_lens[:nd], default=0), batch, choice)
+        step = _CudaStep(nd, max(kv_lens[:nd], default=0), batch, prefill_choice(device, dtype))
+        if nd and (decode := decode_choice(device, dtype, view.page_size)) != "kernel":
+            table = view.req_to_token[view.rows[:nd], : step.max_kv]
+            step.decode, step.decodes = decode, PagedBatch([1] * nd, kv_lens[:nd], table, view.page_size)
+        return step
 
     def attend(self, view: StepView, layer_idx: int, q: torch.Tensor, k_new, v_new, *, window=None, scale=None,
                softcap=None) -> torch.Tensor:  # fmt: skip
@@ -160,7 +168,9 @@ class CudaBackend:
         shape = dict(window=window, scale=scale, softcap=softcap)
         nd = step.num_decode
         decoded = None
-        if nd:
+        if step.decodes is not None:
+            decoded = DECODE_LIBS[step.decode](q[:nd], k_pool, v_pool, step.decodes, **shape)
+        elif nd:
             decoded = ops.paged_decode(
                 q[:nd], k_pool, v_pool, view.kv_indptr[: nd + 1], req_to_token=view.req_to_token,
                 rows=view.rows[:nd], max_kv_len=step.max_kv, **shape,

@@ -160,3 +160,26 @@ def test_the_binding_raises_its_own_checks_without_crashing():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "raised: paged_decode: head_dim must be 64, 128 or 256, got 32" in done.stdout
     assert "raised: paged_decode: kv_indptr must be int32, got Float" in done.stdout
+
+
+@pytest.mark.parametrize("name,page_size", [("flashinfer", 16), ("flash", 256)])
+@pytest.mark.parametrize("features", [{}, {"window": 100, "softcap": 30.0}])
+def test_library_decode_equals_the_reference(name, page_size, features):
+    from astrai_pl.ops.decode_libs import DECODE_LIBS, why_not
+    from astrai_pl.ops.prefill import PagedBatch
+
+    if why_not(name, torch.device("cuda"), torch.bfloat16, page_size):
+        pytest.skip(why_not(name, torch.device("cuda"), torch.bfloat16, page_size))
+    kv_lens, pages = [1, 700, 33], torch.randperm(64)
+    table = torch.zeros(3, 4 * page_size, dtype=torch.int32)
+    for r, n in enumerate(kv_lens):
+        for j in range(n):
+            table[r, j] = pages[r * 4 + j // page_size] * page_size + j % page_size
+    k_pool, v_pool = (torch.randn(64 * page_size, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    table = table.cuda()
+    kv_indptr = torch.tensor([0, 1, 701, 734], dtype=torch.int32, device="cuda")
+    rows = torch.arange(3, device="cuda")
+    ref = ops.paged_decode_ref(q, k_pool, v_pool, kv_indptr, req_to_token=table, rows=rows, **features)
+    out = DECODE_LIBS[name](q, k_pool, v_pool, PagedBatch([1] * 3, kv_lens, table, page_size), **features)
+    assert relative_error(out, ref) <= limit(torch.bfloat16)

@@ -98,3 +98,32 @@ def test_choice_follows_override_environment_and_falls_back_from_flash(monkeypat
     monkeypatch.setenv("ASTRAI_PREFILL", "fastest")
     with pytest.raises(ValueError, match="ASTRAI_PREFILL='fastest'"):
         prefill_choice(cpu, torch.float32)
+
+
+def test_decode_libraries_fall_back_to_the_kernel_where_they_cannot_run(monkeypatch, caplog):
+    from astrai_pl.ops.decode_libs import decode_choice, override_decode, why_not
+
+    cpu = torch.device("cpu")
+    assert decode_choice(cpu, torch.bfloat16, 16) == "kernel"
+    for name in ("flashinfer", "flash"):
+        with override_decode(name), caplog.at_level("INFO", logger="astrai_pl.ops"):
+            assert decode_choice(cpu, torch.bfloat16, 16) == "kernel"
+        assert why_not(name, cpu, torch.bfloat16, 16) is not None
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())  # as if both were installed
+    assert why_not("flash", torch.device("cuda"), torch.bfloat16, 16).startswith("flash-attn's paged decode")
+    assert why_not("flashinfer", torch.device("cuda"), torch.float32, 16).endswith("not torch.float32")
+    assert why_not("flashinfer", torch.device("cuda"), torch.bfloat16, 16) is None
+    monkeypatch.setenv("ASTRAI_DECODE", "fastest")
+    with pytest.raises(ValueError, match="ASTRAI_DECODE='fastest'"):
+        decode_choice(cpu, torch.float32, 16)
+
+
+def test_library_page_lists_follow_the_table():
+    from astrai_pl.ops.decode_libs import _pages
+
+    _, _, _, batch = shared_prefix_pool(page_size=4)
+    indptr, pages, last = _pages(PagedBatch([1, 1, 1], batch.kv_lens, batch.table, 4))
+    assert indptr.tolist() == [0, 4, 7, 9] and last.tolist() == [1, 3, 2]
+    for r, (start, end) in enumerate(zip(indptr[:-1].tolist(), indptr[1:].tolist())):
+        slots = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in pages[start:end].tolist()])
+        assert torch.equal(slots[: batch.kv_lens[r]], batch.table[r, : batch.kv_lens[r]].long())
