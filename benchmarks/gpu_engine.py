@@ -232,6 +232,35 @@ def wait_ready(server: subprocess.Popen, url: str, key: str, timeout: float = 60
 
 
 # -- kernels --------------------------------------------------------------------------------------------------
+def decode_row(name: str, seconds: float, read: int, hbm_gbs: float) -> str:
+    gbs = read / seconds / 1e9
+    return f"| {name} | {seconds * 1e3:.3f} ms | {gbs:,.0f} GB/s ({gbs / hbm_gbs:.0%} of {hbm_gbs:,.0f}) |"
+
+
+def library_decodes(batch: int, ctx: int, heads: tuple, read: int, hbm_gbs: float, s: Shape) -> list[str]:
+    """FlashInfer / flash-attn decode on the same shape over a page-16 (flash-attn: 256) pool, where installed."""
+    from astrai_pl.ops.decode_libs import DECODE_LIBS, why_not
+    from astrai_pl.ops.prefill import PagedBatch
+
+    rows = []
+    for name, page_size in (("flashinfer", 16), ("flash", 256)):
+        why = why_not(name, torch.device(s.device), s.dtype, page_size)
+        if why:
+            rows.append(f"| {name} decode {batch} x {ctx} | — | {why} |")
+            continue
+        pages = -(-ctx // page_size)
+        order = torch.randperm(batch * pages, device=s.device).view(batch, pages, 1)
+        table = (order * page_size + torch.arange(page_size, device=s.device)).view(batch, -1)[:, :ctx].int()
+        k_pool, v_pool = (torch.randn(batch * pages * page_size, heads[1], heads[2], device=s.device, dtype=s.dtype)
+                          for _ in range(2))  # fmt: skip
+        q = torch.randn(batch, heads[0], heads[2], device=s.device, dtype=s.dtype)
+        paged = PagedBatch([1] * batch, [ctx] * batch, table, page_size)
+        args = (q, k_pool, v_pool, paged)
+        took = timed(lambda f=DECODE_LIBS[name], a=args: f(*a), s.device, s.reps and 10)
+        rows.append(decode_row(f"{name} decode {batch} x {ctx}", took, read, hbm_gbs))
+    return rows
+
+
 def kernel_part(s: Shape, hbm_gbs: float) -> list[str]:
     from paged_cases import paged_case
 
@@ -244,9 +273,9 @@ def kernel_part(s: Shape, hbm_gbs: float) -> list[str]:
     decode = timed(lambda: ops.paged_decode(case.q, case.k_pool, case.v_pool, case.kv_indptr, case.kv_indices,
                                             max_kv_len=ctx), s.device, reps=s.reps and 10)  # fmt: skip
     read = 2 * batch * ctx * heads[1] * heads[2] * case.k_pool.element_size()
-    rows = [f"| decode {batch} x {ctx} | {decode * 1e3:.3f} ms | {read / decode / 1e9:,.0f} GB/s "
-            f"({read / decode / 1e9 / hbm_gbs:.0%} of {hbm_gbs:,.0f}) |", "", "| prefill | tokens | ms | vs SDPA on contiguous K/V |",
-            "|---|---|---|---|"]  # fmt: skip
+    rows = [decode_row(f"decode {batch} x {ctx}", decode, read, hbm_gbs)]
+    rows += library_decodes(batch, ctx, heads, read, hbm_gbs, s)
+    rows += ["", "| prefill | tokens | ms | vs SDPA on contiguous K/V |", "|---|---|---|---|"]
     for tokens in (512, 4096) if s.scale == 1 else (16,):
         n = 8 if s.scale == 1 else 2
         case = paged_case([tokens] * n, [tokens] * n, *heads, s.dtype, s.device, seed=1)
