@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -171,7 +172,8 @@ def flex_block_lists(batch: PagedBatch, q_block: int, kv_block: int, window: int
             lo = kv_len - n + first_q - window + 1 if window is not None else 0
             pairs.append((qb, b, max(lo, 0), kv_len - n + last_q))
     num_q_blocks = -(-sum(batch.q_lens) // q_block)
-    stride = kv_block if batch.page_size % kv_block == 0 else 1  # aligned pages: one position per block
+    # pages start at multiples of page_size: an aligned run of gcd(page_size, kv_block) positions lies in one block
+    stride = math.gcd(batch.page_size, kv_block)
     p = torch.tensor(pairs, device=device, dtype=torch.int64).view(-1, 4)
     lo = p[:, 2] // stride * stride
     width = int(((p[:, 3] - lo) // stride).max()) + 1 if len(pairs) else 1
@@ -195,7 +197,7 @@ def flex_block_lists(batch: PagedBatch, q_block: int, kv_block: int, window: int
     return counts.to(torch.int32), rows[:, :keep].masked_fill(rows[:, :keep] == big, 0).to(torch.int32)
 
 
-def flex_block_mask(batch: PagedBatch, num_slots: int, *, q_block: int = 128, kv_block: int = 16,
+def flex_block_mask(batch: PagedBatch, num_slots: int, *, q_block: int = 128, kv_block: int = 64,
                     window: int | None = None):  # fmt: skip
     """The BlockMask of a step over the pool (queries: the step's tokens; keys: every slot)."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -237,9 +239,13 @@ def _flex_attention():
 def flex_prefill(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: PagedBatch, *,
     scale: float | None = None, window: int | None = None, softcap: float | None = None, q_block: int = 128,
-    kv_block: int = 16,
+    kv_block: int = 64,
 ) -> torch.Tensor:  # fmt: skip
-    """FlexAttention of the step's queries q (T, Hq, D) over the pool in place; returns (T, Hq, D)."""
+    """FlexAttention of the step's queries q (T, Hq, D) over the pool in place; returns (T, Hq, D).
+
+    The pool is cut into blocks of `kv_block` slots (a multiple of 16 on CUDA, where the kernel's key tile
+    is set to divide it): a smaller block wastes less on other requests' slots, a larger one runs bigger tiles.
+    """
     key = ("flex", window, q_block, kv_block)
     if key not in batch.plans:
         batch.plans[key] = flex_block_mask(batch, k_pool.shape[0], q_block=q_block, kv_block=kv_block,
@@ -254,6 +260,7 @@ def flex_prefill(
         out = _flex_attention()(
             q.transpose(0, 1)[None], k_pool.permute(1, 0, 2)[None], v_pool.permute(1, 0, 2)[None],
             score_mod=score_mod, block_mask=batch.plans[key], scale=scale, enable_gqa=group > 1,
+            kernel_options={"BLOCK_N": min(kv_block, 64)} if q.is_cuda else None,
         )  # (1, Hq, T, D)
     return out[0].transpose(0, 1)
 
