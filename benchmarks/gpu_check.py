@@ -35,6 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "ops")]
 from paged_cases import paged_case, relative_error  # noqa: E402
 
 from astrai_pl import ops  # noqa: E402
+from astrai_pl.ops.prefill import PREFILL_CHOICES, override_prefill  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 HEADS = [(32, 8), (28, 4), (16, 16), (8, 1), (12, 2)]  # (Hq, Hkv): group sizes 4, 7, 1, 8, 6
@@ -85,18 +86,21 @@ def check_rotary(report: Report, device: str) -> None:
         report.check(name, relative_error(qkv, expected), limit(dtype))
 
 
+FEATURES = ({}, {"window": 300}, {"softcap": 30.0}, {"window": 9, "softcap": 5.0})  # Mistral, Gemma 2
+
+
 def decode_cases(quick: bool):
     dims = (64, 128) if quick else (64, 128, 256)
     for dtype, head_dim, (hq, hkv) in itertools.product(DTYPES, dims, HEADS):
-        for addressing, num_splits in (("kv_indices", None), ("int32", 1), ("req_to_token", 7)):
-            yield dtype, head_dim, hq, hkv, addressing, num_splits
+        for i, (addressing, num_splits) in enumerate((("kv_indices", None), ("int32", 1), ("req_to_token", 7))):
+            yield dtype, head_dim, hq, hkv, addressing, num_splits, FEATURES[(i + head_dim // 64) % len(FEATURES)]
 
 
 def check_decode(report: Report, device: str, quick: bool) -> None:
-    for seed, (dtype, head_dim, hq, hkv, addressing, num_splits) in enumerate(decode_cases(quick)):
+    for seed, (dtype, head_dim, hq, hkv, addressing, num_splits, features) in enumerate(decode_cases(quick)):
         kv_lens = [1, 3000, 17, 256, 257, 900]
         case = paged_case([1] * len(kv_lens), kv_lens, hq, hkv, head_dim, dtype, device, seed)
-        ref = ops.paged_decode_ref(case.q, case.k_pool, case.v_pool, case.kv_indptr, case.kv_indices)
+        ref = ops.paged_decode_ref(case.q, case.k_pool, case.v_pool, case.kv_indptr, case.kv_indices, **features)
         address = dict(req_to_token=case.req_to_token, rows=case.rows) if addressing == "req_to_token" else {}
         indices = (
             None if address else case.kv_indices.to(torch.int32 if addressing == "int32" else torch.int64)
@@ -112,8 +116,9 @@ def check_decode(report: Report, device: str, quick: bool) -> None:
                 num_splits=num_splits,
                 out=out,
                 **address,
+                **features,
             )
-        name = f"decode {dtype} D={head_dim} Hq={hq} Hkv={hkv} {addressing} splits={num_splits or 'auto'}"
+        name = f"decode {dtype} D={head_dim} Hq={hq} Hkv={hkv} {addressing} splits={num_splits or 'auto'} {features}"
         report.check(name, relative_error(out, ref), limit(dtype))
 
 
@@ -123,17 +128,18 @@ def check_prefill(report: Report, device: str, quick: bool) -> None:
     for seed, (dtype, head_dim, (hq, hkv)) in enumerate(itertools.product(DTYPES, dims, HEADS)):
         q_lens, kv_lens = shapes[seed % len(shapes)]
         case = paged_case(q_lens, kv_lens, hq, hkv, head_dim, dtype, device, seed)
-        for causal, addressing in ((True, "kv_indices"), (False, "kv_indices"), (True, "req_to_token")):
+        for choice, addressing in itertools.product(PREFILL_CHOICES, ("kv_indices", "req_to_token")):
+            features = FEATURES[(seed + len(choice)) % len(FEATURES)]
             address = (
                 dict(req_to_token=case.req_to_token, rows=case.rows) if addressing == "req_to_token" else {}
             )
             indices = None if address else case.kv_indices
             args = (case.q, case.k_pool, case.v_pool, case.qo_indptr, case.kv_indptr, indices)
-            ref = ops.paged_prefill_ref(*args, causal=causal, **address)
+            ref = ops.paged_prefill_ref(*args, **address, **features)
             out = nan_like(case.q)
-            with ops.override_available(True):
-                ops.paged_prefill(*args, causal=causal, out=out, **address)
-            name = f"prefill {dtype} D={head_dim} Hq={hq} Hkv={hkv} causal={causal} {addressing} q={q_lens}"
+            with override_prefill(choice):
+                ops.paged_prefill(*args, out=out, **address, **features)
+            name = f"prefill {choice} {dtype} D={head_dim} Hq={hq} Hkv={hkv} {addressing} q={q_lens} {features}"
             report.check(name, relative_error(out, ref), limit(dtype))
 
 
@@ -230,7 +236,8 @@ def bench_attention(batch: int, ctx: int, prefill: bool, device: str) -> tuple[f
     q = torch.randn(batch * q_len, hq, d, device=device, dtype=dtype)
     qo_indptr = torch.arange(batch + 1, device=device, dtype=torch.int32) * q_len
 
-    if prefill:  # flash SDPA, causal, with the kv heads repeated for each query head of their group
+    if prefill:  # ours: the default prefill implementation (astrai_pl.ops.prefill); the peer flash SDPA, causal,
+        # with the kv heads repeated for each query head of their group
 
         def ours():
             return ops.paged_prefill(q, k_pool, v_pool, qo_indptr, kv_indptr, slots, max_q_len=q_len)

@@ -1,5 +1,6 @@
-// PyTorch binding of the fused kernels: checks devices, dtypes, shapes and layouts with errors that name
-// the argument, then passes data pointers and the caller's CUDA stream (an integer handle from
+// PyTorch binding of the fused kernels: checks devices, dtypes, shapes, layouts and head_dim with errors
+// that name the argument, all before any launch (astrai_pl/ops/arguments.py runs the same checks in Python
+// first, so the ops' wrappers never reach these with a bad call), then passes data pointers and the caller's CUDA stream (an integer handle from
 // torch.cuda.current_stream(device).cuda_stream) to the launchers in launchers.h. Python wrappers in
 // astrai_pl/ops/fused.py pick the split count, allocate outputs and fall back to the PyTorch references.
 #include <torch/extension.h>
@@ -63,15 +64,16 @@ void check_launch(int code, const char* op) {
   TORCH_CHECK(code == 0, op, ": kernel launch failed: ", astrai::error_string(code));
 }
 
-// The page table of paged_decode / paged_prefill: kv_indices (1-D, flat) or req_to_token (2-D) with rows.
+// The page table of paged_decode: kv_indices (1-D, flat) or req_to_token (2-D) with rows, and the sizes that
+// bound every read the kernel makes through it (see PageTable).
 astrai::PageTable page_table(const Tensor& q, int64_t batch, const Tensor& kv_indptr, const Tensor& indices,
-                             const std::optional<Tensor>& rows, const char* op) {
+                             const std::optional<Tensor>& rows, int64_t num_slots, const char* op) {
   check_index(kv_indptr, q, op, "kv_indptr", false);
   check_dims(kv_indptr, 1, op, "kv_indptr", "(batch + 1,)");
   TORCH_CHECK(kv_indptr.size(0) == batch + 1, op, ": kv_indptr must have batch + 1 = ", batch + 1,
               " entries, got ", kv_indptr.size(0));
   TORCH_CHECK(kv_indptr.is_contiguous(), op, ": kv_indptr must be contiguous");
-  astrai::PageTable table{kv_indptr.data_ptr<int32_t>(), indices.data_ptr(), false, nullptr, 0};
+  astrai::PageTable table{kv_indptr.data_ptr<int32_t>(), indices.data_ptr(), false, nullptr, 0, num_slots, 0, 0};
   if (rows.has_value()) {
     check_index(indices, q, op, "req_to_token", true);
     check_dims(indices, 2, op, "req_to_token", "(rows, max_context)");
@@ -82,10 +84,13 @@ astrai::PageTable page_table(const Tensor& q, int64_t batch, const Tensor& kv_in
                 ",) tensor, got shape ", rows->sizes());
     table.rows = rows->data_ptr<int32_t>();
     table.row_stride = indices.stride(0);
+    table.num_rows = indices.size(0);
+    table.width = indices.size(1);
   } else {
     check_index(indices, q, op, "kv_indices", true);
     check_dims(indices, 1, op, "kv_indices", "(total context tokens,)");
     TORCH_CHECK(indices.is_contiguous(), op, ": kv_indices must be contiguous");
+    table.width = indices.size(0);
   }
   table.indices_int64 = indices.scalar_type() == torch::kInt64;
   return table;
@@ -159,14 +164,16 @@ void rotary_emb(Tensor q, Tensor k, Tensor cos, Tensor sin, std::optional<Tensor
 
 Tensor paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_indptr, Tensor indices,
                     std::optional<Tensor> rows, Tensor out, int64_t num_splits, int64_t split_size, double scale,
-                    int64_t stream) {
+                    int64_t window, double softcap, int64_t stream) {
   const char* op = "paged_decode";
   check_attention(q, k_pool, v_pool, out, op);
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   TORCH_CHECK(batch <= 65535, op, ": at most 65535 requests per call, got ", batch);
   TORCH_CHECK(num_splits >= 1 && split_size >= 1, op, ": num_splits and split_size must be positive, got ",
               num_splits, " and ", split_size);
-  const astrai::PageTable table = page_table(q, batch, kv_indptr, indices, rows, op);
+  TORCH_CHECK(window >= 0 && window <= INT32_MAX, op, ": window must be 0 (none) or a positive int32, got ", window);
+  TORCH_CHECK(softcap >= 0.0, op, ": softcap must be 0 (none) or positive, got ", softcap);
+  const astrai::PageTable table = page_table(q, batch, kv_indptr, indices, rows, k_pool.size(0), op);
   const c10::DeviceGuard guard(q.device());
   Tensor partial_out, partial_lse;
   if (num_splits > 1) {
@@ -179,34 +186,21 @@ Tensor paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor kv_indptr, Te
                        num_splits > 1 ? partial_lse.data_ptr<float>() : nullptr,
                        static_cast<int>(batch), static_cast<int>(heads), static_cast<int>(k_pool.size(1)),
                        static_cast<int>(d), static_cast<int>(num_splits), static_cast<int>(split_size),
-                       static_cast<float>(scale), dtype_of(q, op, "q")};
+                       static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap),
+                       dtype_of(q, op, "q")};
   check_launch(astrai::paged_decode(a, as_stream(stream)), op);
   return out;
 }
 
-Tensor paged_prefill(Tensor q, Tensor k_pool, Tensor v_pool, Tensor qo_indptr, Tensor kv_indptr, Tensor indices,
-                     std::optional<Tensor> rows, Tensor out, int64_t max_q_len, bool causal, double scale,
-                     int64_t stream) {
-  const char* op = "paged_prefill";
-  check_attention(q, k_pool, v_pool, out, op);
-  check_dims(kv_indptr, 1, op, "kv_indptr", "(batch + 1,)");
-  const int64_t batch = kv_indptr.size(0) - 1;
-  TORCH_CHECK(batch >= 0 && batch <= 65535, op, ": between 0 and 65535 requests per call, got ", batch);
-  check_index(qo_indptr, q, op, "qo_indptr", false);
-  TORCH_CHECK(qo_indptr.dim() == 1 && qo_indptr.size(0) == batch + 1 && qo_indptr.is_contiguous(), op,
-              ": qo_indptr must be a contiguous (batch + 1,) = (", batch + 1, ",) tensor, got shape ",
-              qo_indptr.sizes());
-  TORCH_CHECK(q.size(1) <= 65535, op, ": at most 65535 query heads, got ", q.size(1));
-  TORCH_CHECK(max_q_len >= 0 && max_q_len <= q.size(0), op, ": max_q_len must be in [0, ", q.size(0), "], got ",
-              max_q_len);
-  const astrai::PageTable table = page_table(q, batch, kv_indptr, indices, rows, op);
-  const c10::DeviceGuard guard(q.device());
-  astrai::PrefillArgs a{q.data_ptr(), out.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-                        qo_indptr.data_ptr<int32_t>(), table, static_cast<int>(batch),
-                        static_cast<int>(q.size(1)), static_cast<int>(k_pool.size(1)), static_cast<int>(q.size(2)),
-                        static_cast<int>(max_q_len), causal, static_cast<float>(scale), dtype_of(q, op, "q")};
-  check_launch(astrai::paged_prefill(a, as_stream(stream)), op);
-  return out;
+int64_t paged_decode_blocks_per_sm(int64_t dtype_code, int64_t head_dim, int64_t group_size) {
+  const char* op = "paged_decode_blocks_per_sm";
+  TORCH_CHECK(dtype_code >= 0 && dtype_code <= 2, op, ": dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
+  check_head_dim(head_dim, op);
+  TORCH_CHECK(group_size >= 1, op, ": group_size must be positive, got ", group_size);
+  const int blocks = astrai::paged_decode_blocks_per_sm(static_cast<astrai::DType>(dtype_code),
+                                                         static_cast<int>(head_dim), static_cast<int>(group_size));
+  TORCH_CHECK(blocks > 0, op, ": the occupancy query failed: ", astrai::error_string(blocks < 0 ? -blocks : 0));
+  return blocks;
 }
 
 void store_kv(Tensor k_pool, Tensor v_pool, Tensor slots, Tensor k, Tensor v, int64_t stream) {
@@ -317,16 +311,16 @@ std::vector<Tensor> wkv_backward(Tensor w, Tensor u, Tensor k, Tensor v, std::op
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.doc() = "Fused CUDA kernels of astrai_pl: rotary embedding, paged decode/prefill attention, K/V pool write, WKV";
+  m.doc() = "Fused CUDA kernels of astrai_pl: rotary embedding, paged decode attention, K/V pool write, WKV";
   m.def("rotary_emb", &rotary_emb, "Rotate q and k in place (rotate-half layout)", py::arg("q"), py::arg("k"),
         py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("stream"));
   m.def("paged_decode", &paged_decode, "One query per request against the paged K/V pool", py::arg("q"),
         py::arg("k_pool"), py::arg("v_pool"), py::arg("kv_indptr"), py::arg("indices"), py::arg("rows"),
-        py::arg("out"), py::arg("num_splits"), py::arg("split_size"), py::arg("scale"), py::arg("stream"));
-  m.def("paged_prefill", &paged_prefill, "Ragged causal attention against the paged K/V pool", py::arg("q"),
-        py::arg("k_pool"), py::arg("v_pool"), py::arg("qo_indptr"), py::arg("kv_indptr"), py::arg("indices"),
-        py::arg("rows"), py::arg("out"), py::arg("max_q_len"), py::arg("causal"), py::arg("scale"),
-        py::arg("stream"));
+        py::arg("out"), py::arg("num_splits"), py::arg("split_size"), py::arg("scale"), py::arg("window"),
+        py::arg("softcap"), py::arg("stream"));
+  m.def("paged_decode_blocks_per_sm", &paged_decode_blocks_per_sm,
+        "Decode blocks per SM at full occupancy, for choosing the split count", py::arg("dtype_code"),
+        py::arg("head_dim"), py::arg("group_size"));
   m.def("store_kv", &store_kv, "Write K/V rows into one layer of the pool at the given slots", py::arg("k_pool"),
         py::arg("v_pool"), py::arg("slots"), py::arg("k"), py::arg("v"), py::arg("stream"));
   m.def("wkv_forward", &wkv_forward, "RWKV-4's WKV over a sequence; updates state to the end", py::arg("w"),

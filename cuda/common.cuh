@@ -65,14 +65,34 @@ __device__ __forceinline__ float group_max(float x) {
   return x;
 }
 
-// Offset in the page table's index array of request b's first token.
-__device__ __forceinline__ int64_t table_base(const PageTable& t, int b) {
-  return t.rows != nullptr ? static_cast<int64_t>(t.rows[b]) * t.row_stride : static_cast<int64_t>(t.kv_indptr[b]);
+// Request b's context as the kernels read it: where its slots start in the index array and how many
+// there are, both kept inside the arrays the binding described (a row outside req_to_token is an empty
+// context, a context longer than a table row or past the end of kv_indices is cut there).
+struct Context {
+  int64_t base;
+  int length;
+};
+
+__device__ __forceinline__ Context context_of(const PageTable& t, int b) {
+  const int64_t start = t.kv_indptr[b];
+  int64_t length = static_cast<int64_t>(t.kv_indptr[b + 1]) - start;
+  int64_t base = start, limit = t.width;
+  if (t.rows != nullptr) {
+    const int64_t row = t.rows[b];
+    base = row * t.row_stride;
+    if (row < 0 || row >= t.num_rows) length = 0;
+  } else {
+    limit = start < 0 ? 0 : t.width - start;
+  }
+  length = length < 0 ? 0 : (length > limit ? limit : length);
+  return Context{base, static_cast<int>(length)};
 }
 
+// Slot of the token at index i of the index array, or -1 when it lies outside the pool (never read).
 __device__ __forceinline__ int64_t slot_at(const PageTable& t, int64_t i) {
-  return t.indices_int64 ? static_cast<const int64_t*>(t.indices)[i]
-                         : static_cast<int64_t>(static_cast<const int32_t*>(t.indices)[i]);
+  const int64_t slot = t.indices_int64 ? static_cast<const int64_t*>(t.indices)[i]
+                                       : static_cast<int64_t>(static_cast<const int32_t*>(t.indices)[i]);
+  return slot >= 0 && slot < t.num_slots ? slot : -1;
 }
 
 }  // namespace astrai

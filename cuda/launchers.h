@@ -25,12 +25,18 @@ const char* error_string(int code);
 
 // Where request b's context lives: slot of its j-th token = indices[base(b) + j], 0 <= j < kv_len(b), with
 // base(b) = rows[b] * row_stride (req_to_token) or kv_indptr[b] (kv_indices when rows is null).
+// The sizes bound every device-side read: num_slots the pool's rows; width the table's row length
+// (req_to_token) or the length of kv_indices; num_rows the table's rows. A slot outside [0, num_slots) is
+// skipped, a row outside [0, num_rows) is an empty context, and a context is cut at the table's width.
 struct PageTable {
   const int32_t* kv_indptr;
   const void* indices;
   bool indices_int64;
   const int32_t* rows;
   int64_t row_stride;
+  int64_t num_slots;
+  int64_t num_rows;
+  int64_t width;
 };
 
 // In-place rotary embedding in the rotate-half layout: for i < D/2, with x1 = x[i], x2 = x[i + D/2],
@@ -53,11 +59,13 @@ struct RotaryArgs {
 };
 int rotary_emb(const RotaryArgs& a, cudaStream_t stream);
 
-// One query per request (q and out are (batch, num_q_heads, head_dim)) against its whole context.
-// Each request's context is cut into num_splits chunks of split_size tokens (num_splits * split_size must
-// cover the longest context); with more than one, partial results go to the float32 workspaces
-// partial_out (batch, num_q_heads, num_splits, head_dim) and partial_lse (batch, num_q_heads, num_splits)
-// and a second kernel merges them. head_dim 64, 128 or 256. A request with an empty context gets zeros.
+// One query per request (q and out are (batch, num_q_heads, head_dim)) against its context: the last
+// `window` tokens of it when window > 0, else all of it. Scores are s = scale * q.k, or
+// softcap * tanh(s / softcap) when softcap > 0. The attended span is cut into num_splits chunks of
+// split_size tokens (num_splits * split_size must cover the longest span); with more than one, partial
+// results go to the float32 workspaces partial_out (batch, num_q_heads, num_splits, head_dim) and
+// partial_lse (batch, num_q_heads, num_splits) and a second kernel merges them. head_dim 64, 128 or 256.
+// A request with an empty context gets zeros.
 struct DecodeArgs {
   const void* q;
   void* out;
@@ -69,27 +77,16 @@ struct DecodeArgs {
   int batch, num_q_heads, num_kv_heads, head_dim;
   int num_splits, split_size;
   float scale;
+  int window;
+  float softcap;
   DType dtype;
 };
 int paged_decode(const DecodeArgs& a, cudaStream_t stream);
 
-// A ragged batch: request b owns queries qo_indptr[b] .. qo_indptr[b+1]-1 of q and out, the last q_len(b)
-// positions of its kv_len(b)-token context. Causal: query i (0-based within the request) sees keys
-// 0 .. kv_len - q_len + i. max_q_len must be at least the longest q_len. head_dim 64, 128 or 256.
-// A query that sees no key gets zeros.
-struct PrefillArgs {
-  const void* q;
-  void* out;
-  const void* k_pool;
-  const void* v_pool;
-  const int32_t* qo_indptr;
-  PageTable table;
-  int batch, num_q_heads, num_kv_heads, head_dim, max_q_len;
-  bool causal;
-  float scale;
-  DType dtype;
-};
-int paged_prefill(const PrefillArgs& a, cudaStream_t stream);
+// Blocks of the decode kernel for this dtype, head_dim and group size that fit on one SM at once
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor); the split count is chosen to fill the GPU with them.
+// Negative on an unsupported shape.
+int paged_decode_blocks_per_sm(DType dtype, int head_dim, int group_size);
 
 // k_pool[slots[t]] = k[t] and v_pool[slots[t]] = v[t] for every token t, in one kernel. A row is
 // row_bytes long (num_kv_heads * head_dim * element size, a multiple of 16); k and v rows are

@@ -1,33 +1,63 @@
 // Paged decode attention: one query token per request against its context in the flat token pool,
-// addressed token by token through the page table (page size 1), with grouped-query attention.
+// addressed token by token through the page table (page size 1), with grouped-query attention, an
+// optional sliding window and optional soft-capped scores.
 //
 // Grid (split, kv head × head chunk, request). A block reads each key/value row of its kv head once and
-// scores it against GC query heads of the group at a time, so K/V traffic does not grow with the group
-// size. Inside a block, threads form groups of kLanes that each hold one key: every thread loads 16 bytes
-// of the row and the group sums the partial dot products with shuffles. Each group keeps a running
-// softmax (max m, sum l, weighted V sum acc) in base 2 over the keys it visited; the block merges the
-// groups through shared memory. Long contexts are cut into splits that run as separate blocks; each
-// writes its normalised output and log-sum-exp, and merge_splits_kernel combines them.
+// scores it against GC query heads of the group, so K/V traffic does not grow with the group size.
+// Inside a block, threads form groups of kLanes that each hold one key: every thread loads 16-byte
+// vectors of the row and the group sums the partial dot products with shuffles. K/V stay packed in
+// registers (uint4) until used, so a group keeps kUnroll keys' loads in flight; the slots of the next
+// keys are read while the current ones are scored, so the page-table lookup is off the critical path.
+// Each group keeps a running softmax (max m, sum l, weighted V sum acc) in base 2; the block merges the
+// groups through shared memory. Long contexts are cut into splits that run as separate blocks (the
+// split count comes from the occupancy of this kernel, see paged_decode_blocks_per_sm); each writes its
+// normalised output and log-sum-exp, and merge_splits_kernel combines them.
 #include "common.cuh"
 
 namespace astrai {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kUnroll = 2;  // keys each group loads before it computes, to keep more loads in flight
 
-template <typename T, int D>
+template <typename T, int D, int GC>
 struct DecodeShape {
   static constexpr int kVector = 16 / static_cast<int>(sizeof(T));
   static constexpr int kLanes = D / kVector < 32 ? D / kVector : 32;  // threads sharing one key row
   static constexpr int kElems = D / kLanes;                            // elements each of them holds
+  static constexpr int kVecs = kElems / kVector;                       // 16-byte vectors each of them loads
   static constexpr int kGroups = kThreads / kLanes;                    // keys in flight per block step
-  static_assert(kLanes * kElems == D && kGroups * kLanes == kThreads, "head_dim must split evenly");
+  static constexpr int kUnroll = GC >= 8 || kVecs > 1 ? 2 : 4;        // keys per group per step
+  static constexpr int kStep = kGroups * kUnroll;
+  static_assert(kLanes * kElems == D && kGroups * kLanes == kThreads && kVecs * kVector == kElems,
+                "head_dim must split evenly");
 };
+
+template <typename T, int N>
+__device__ __forceinline__ void unpack(const uint4 (&raw)[N], float (&dst)[N * 16 / sizeof(T)]) {
+  constexpr int kPerVector = 16 / static_cast<int>(sizeof(T));
+#pragma unroll
+  for (int c = 0; c < N; ++c) {
+    const T* values = reinterpret_cast<const T*>(&raw[c]);
+#pragma unroll
+    for (int i = 0; i < kPerVector; ++i) dst[c * kPerVector + i] = to_float(values[i]);
+  }
+}
+
+// Slots of the kUnroll keys this group takes at step t0 (-1: past the span or outside the pool).
+template <int U, int kGroups>
+__device__ __forceinline__ void next_slots(const PageTable& table, int64_t base, int t0, int end, int group,
+                                           int64_t (&slot)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int t = t0 + u * kGroups + group;
+    slot[u] = t < end ? slot_at(table, base + t) : -1;
+  }
+}
 
 template <typename T, int D, int GC>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs a) {
-  using S = DecodeShape<T, D>;
+  using S = DecodeShape<T, D, GC>;
+  constexpr int U = S::kUnroll;
   __shared__ float s_max[S::kGroups][GC];
   __shared__ float s_sum[S::kGroups][GC];
   __shared__ float s_acc[S::kGroups][GC][D];
@@ -41,23 +71,25 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
   const int group = threadIdx.x / S::kLanes;
   const int e0 = (threadIdx.x % S::kLanes) * S::kElems;
 
-  const int kv_len = a.table.kv_indptr[b + 1] - a.table.kv_indptr[b];
-  const int begin = split * a.split_size;
-  const int end = min(kv_len, begin + a.split_size);
-  const int64_t base = table_base(a.table, b);
+  const Context ctx = context_of(a.table, b);
+  const int span_begin = a.window > 0 ? max(0, ctx.length - a.window) : 0;
+  const int begin = span_begin + split * a.split_size;
+  const int end = min(ctx.length, begin + a.split_size);
   const int64_t slot_stride = static_cast<int64_t>(a.num_kv_heads) * D;
-  const T* k_rows = static_cast<const T*>(a.k_pool) + static_cast<int64_t>(kv_head) * D + e0;
-  const T* v_rows = static_cast<const T*>(a.v_pool) + static_cast<int64_t>(kv_head) * D + e0;
+  const uint4* k_rows = reinterpret_cast<const uint4*>(static_cast<const T*>(a.k_pool) + int64_t{kv_head} * D + e0);
+  const uint4* v_rows = reinterpret_cast<const uint4*>(static_cast<const T*>(a.v_pool) + int64_t{kv_head} * D + e0);
+  const int64_t row_vectors = slot_stride / S::kVector;  // 16-byte vectors from one slot to the next
 
+  const bool capped = a.softcap > 0.f;
+  const float q_scale = capped ? a.scale : a.scale * kLog2e;  // capped scores take log2(e) after tanh
   float q[GC][S::kElems];
   float m[GC], l[GC], acc[GC][S::kElems];
-  const float q_scale = a.scale * kLog2e;
 #pragma unroll
   for (int g = 0; g < GC; ++g) {
 #pragma unroll
     for (int i = 0; i < S::kElems; ++i) q[g][i] = acc[g][i] = 0.f;
     if (first + g < group_size) {  // heads past the group's end stay zero and are never written
-      const int64_t head = static_cast<int64_t>(b) * a.num_q_heads + kv_head * group_size + first + g;
+      const int64_t head = int64_t{b} * a.num_q_heads + kv_head * group_size + first + g;
       load_floats(static_cast<const T*>(a.q) + head * D + e0, q[g]);
 #pragma unroll
       for (int i = 0; i < S::kElems; ++i) q[g][i] *= q_scale;
@@ -66,49 +98,64 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
     l[g] = 0.f;
   }
 
+  int64_t slot[U];
+  next_slots<U, S::kGroups>(a.table, ctx.base, begin, end, group, slot);
   // The loop bounds are the same for the whole block, so every lane reaches the shuffles.
-  for (int t0 = begin; t0 < end; t0 += S::kGroups * kUnroll) {
-    float k[kUnroll][S::kElems], v[kUnroll][S::kElems];
-    bool valid[kUnroll];
+  for (int t0 = begin; t0 < end; t0 += S::kStep) {
+    uint4 k_raw[U][S::kVecs], v_raw[U][S::kVecs];
+    bool valid[U];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int t = t0 + u * S::kGroups + group;
-      valid[u] = t < end;
-      if (valid[u]) {
-        const int64_t slot = slot_at(a.table, base + t);
-        load_floats(k_rows + slot * slot_stride, k[u]);
-        load_floats(v_rows + slot * slot_stride, v[u]);
-      } else {
+    for (int u = 0; u < U; ++u) {
+      valid[u] = slot[u] >= 0;
+      const int64_t at = (valid[u] ? slot[u] : 0) * row_vectors;
 #pragma unroll
-        for (int i = 0; i < S::kElems; ++i) k[u][i] = v[u][i] = 0.f;
+      for (int c = 0; c < S::kVecs; ++c) {
+        k_raw[u][c] = valid[u] ? k_rows[at + c] : make_uint4(0, 0, 0, 0);
+        v_raw[u][c] = valid[u] ? v_rows[at + c] : make_uint4(0, 0, 0, 0);
+      }
+    }
+    next_slots<U, S::kGroups>(a.table, ctx.base, t0 + S::kStep, end, group, slot);
+
+    float s[GC][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float k[S::kElems];
+      unpack<T>(k_raw[u], k);
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < S::kElems; ++i) dot += q[g][i] * k[i];
+        dot = group_sum<S::kLanes>(dot);
+        if (capped) dot = a.softcap * tanhf(dot / a.softcap) * kLog2e;
+        s[g][u] = valid[u] ? dot : -INFINITY;
       }
     }
 #pragma unroll
     for (int g = 0; g < GC; ++g) {
-      float s[kUnroll];
       float m_new = m[g];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        float dot = 0.f;
-#pragma unroll
-        for (int i = 0; i < S::kElems; ++i) dot += q[g][i] * k[u][i];
-        dot = group_sum<S::kLanes>(dot);
-        s[u] = valid[u] ? dot : -INFINITY;
-        m_new = fmaxf(m_new, s[u]);
-      }
+      for (int u = 0; u < U; ++u) m_new = fmaxf(m_new, s[g][u]);
       if (m_new == -INFINITY) continue;  // no key seen yet by this group
       const float alpha = exp2f(m[g] - m_new);
       l[g] *= alpha;
 #pragma unroll
       for (int i = 0; i < S::kElems; ++i) acc[g][i] *= alpha;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const float p = exp2f(s[u] - m_new);
-        l[g] += p;
-#pragma unroll
-        for (int i = 0; i < S::kElems; ++i) acc[g][i] += p * v[u][i];
-      }
       m[g] = m_new;
+#pragma unroll
+      for (int u = 0; u < U; ++u) s[g][u] = exp2f(s[g][u] - m_new);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float v[S::kElems];
+      unpack<T>(v_raw[u], v);
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+        if (m[g] == -INFINITY) continue;
+        l[g] += s[g][u];
+#pragma unroll
+        for (int i = 0; i < S::kElems; ++i) acc[g][i] += s[g][u] * v[i];
+      }
     }
   }
 
@@ -138,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
       }
     }
     const float value = sum > 0.f ? o / sum : 0.f;
-    const int64_t row = static_cast<int64_t>(b) * a.num_q_heads + kv_head * group_size + first + g;
+    const int64_t row = int64_t{b} * a.num_q_heads + kv_head * group_size + first + g;
     if (a.num_splits == 1) {
       static_cast<T*>(a.out)[row * D + e] = from_float<T>(value);
     } else {
@@ -152,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
 // out[b, h] = Σ_s 2^(lse_s − M) · o_s / Σ_s 2^(lse_s − M), M = max_s lse_s; zeros when no split saw a key.
 template <typename T, int D>
 __global__ void __launch_bounds__(D) merge_splits_kernel(const DecodeArgs a) {
-  const int64_t row = static_cast<int64_t>(blockIdx.y) * a.num_q_heads + blockIdx.x;
+  const int64_t row = int64_t{blockIdx.y} * a.num_q_heads + blockIdx.x;
   const int e = threadIdx.x;
   const float* lse = a.partial_lse + row * a.num_splits;
   float max_all = -INFINITY;
@@ -177,47 +224,67 @@ int launch(const DecodeArgs& a, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-// Query heads scored per block: the group size rounded up to a power of two, at most 8.
-template <typename T, int D>
-int launch_for_group(const DecodeArgs& a, cudaStream_t stream) {
-  const int group_size = a.num_q_heads / a.num_kv_heads;
-  if (group_size >= 5) return launch<T, D, 8>(a, stream);
-  if (group_size >= 3) return launch<T, D, 4>(a, stream);
-  if (group_size == 2) return launch<T, D, 2>(a, stream);
-  return launch<T, D, 1>(a, stream);
+template <typename T, int D, int GC>
+int occupancy() {
+  int blocks = 0;
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, paged_decode_kernel<T, D, GC>,
+                                                                        kThreads, 0);
+  return err == cudaSuccess ? blocks : -static_cast<int>(err);
 }
 
+// Query heads scored per block: the group size rounded up to a power of two, at most 8.
+template <typename T, int D>
+int for_group(const DecodeArgs* a, int group_size, cudaStream_t stream) {
+  if (group_size >= 5) return a ? launch<T, D, 8>(*a, stream) : occupancy<T, D, 8>();
+  if (group_size >= 3) return a ? launch<T, D, 4>(*a, stream) : occupancy<T, D, 4>();
+  if (group_size == 2) return a ? launch<T, D, 2>(*a, stream) : occupancy<T, D, 2>();
+  return a ? launch<T, D, 1>(*a, stream) : occupancy<T, D, 1>();
+}
+
+// The launch (a non-null) or the occupancy query (a null) for the instantiation of (T, head_dim, group).
+// An unsupported head_dim is an error here too: nothing is launched for it.
 template <typename T>
-int launch_for_dim(const DecodeArgs& a, cudaStream_t stream) {
-  switch (a.head_dim) {
+int for_dim(const DecodeArgs* a, int head_dim, int group_size, cudaStream_t stream) {
+  switch (head_dim) {
     case 64:
-      return launch_for_group<T, 64>(a, stream);
+      return for_group<T, 64>(a, group_size, stream);
     case 128:
-      return launch_for_group<T, 128>(a, stream);
+      return for_group<T, 128>(a, group_size, stream);
     case 256:
-      return launch_for_group<T, 256>(a, stream);
+      return for_group<T, 256>(a, group_size, stream);
+    default:
+      return a ? static_cast<int>(cudaErrorInvalidValue) : -static_cast<int>(cudaErrorInvalidValue);
   }
-  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int for_dtype(const DecodeArgs* a, DType dtype, int head_dim, int group_size, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return for_dim<float>(a, head_dim, group_size, stream);
+    case DType::kFloat16:
+      return for_dim<__half>(a, head_dim, group_size, stream);
+    case DType::kBFloat16:
+      return for_dim<__nv_bfloat16>(a, head_dim, group_size, stream);
+  }
+  return a ? static_cast<int>(cudaErrorInvalidValue) : -static_cast<int>(cudaErrorInvalidValue);
 }
 
 }  // namespace
 
 int paged_decode(const DecodeArgs& a, cudaStream_t stream) {
   const bool shape_ok = a.batch >= 0 && a.batch <= 65535 && a.num_kv_heads > 0 &&
-                        a.num_q_heads % a.num_kv_heads == 0 && a.num_splits >= 1 && a.split_size >= 1;
+                        a.num_q_heads % a.num_kv_heads == 0 && a.num_splits >= 1 && a.split_size >= 1 &&
+                        a.window >= 0 && a.softcap >= 0.f && a.table.num_slots >= 0 && a.table.width >= 0;
   if (!shape_ok || (a.num_splits > 1 && (a.partial_out == nullptr || a.partial_lse == nullptr))) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   if (a.batch == 0 || a.num_q_heads == 0) return static_cast<int>(cudaSuccess);
-  switch (a.dtype) {
-    case DType::kFloat32:
-      return launch_for_dim<float>(a, stream);
-    case DType::kFloat16:
-      return launch_for_dim<__half>(a, stream);
-    case DType::kBFloat16:
-      return launch_for_dim<__nv_bfloat16>(a, stream);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
+  return for_dtype(&a, a.dtype, a.head_dim, a.num_q_heads / a.num_kv_heads, stream);
+}
+
+int paged_decode_blocks_per_sm(DType dtype, int head_dim, int group_size) {
+  if (group_size < 1) return -static_cast<int>(cudaErrorInvalidValue);
+  return for_dtype(nullptr, dtype, head_dim, group_size, nullptr);
 }
 
 }  // namespace astrai

@@ -14,9 +14,9 @@ override it; the context manager wins over the environment, nests, and is per th
 All tensors are (tokens, heads, head_dim) inside the view; a step's tokens are the requests' new tokens
 concatenated, decodes (one token each) first. Scale is 1/sqrt(head_dim) unless the layer gives its own.
 
-Sliding windows, soft-capped scores and a scale of the model's own (`model_features`) are done by `torch`
-and `flash`; the fused `cuda` kernels do none of them, so a model that needs one skips `cuda` (forcing it
-raises BackendUnavailable naming the feature).
+Sliding windows, soft-capped scores and a scale of the model's own (`model_features`) are done by every
+backend: the `cuda` decode kernel takes them as arguments, and its prefill path (`astrai_pl.ops.prefill`)
+passes them to the library kernel it runs, so Gemma 2/3 and Mistral-style models keep the fused kernels.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.decode_libs import DECODE_LIBS
+from ..ops.prefill import PagedBatch, prefill
 from .cache import InferenceError
 from .step_view import AttentionBackend, StepView
 from .torch_backend import TorchBackend
@@ -109,15 +111,27 @@ class FlashBackend:
         )
 
 
-class CudaBackend:
-    """The fused kernels of `astrai_pl.ops`: paged decode / ragged prefill reading slots from req_to_token.
+@dataclass
+class _CudaStep:
+    num_decode: int  # the first requests, one token each: the decode kernel
+    max_kv: int  # longest context of those (from the scheduler's lists: no device read)
+    prefill: PagedBatch | None  # the other requests, for the prefill path (None: a decode-only step)
+    choice: str  # the prefill implementation (astrai_pl.ops.prefill.prefill_choice)
+    decode: str = "kernel"  # the decode implementation (astrai_pl.ops.decode_libs.decode_choice)
+    decodes: PagedBatch | None = None  # the decoding requests, for a library decode
 
-    The request table is the page table (a token slot is a one-token page), so nothing is gathered:
-    a decode-only step runs `paged_decode`, any other step `paged_prefill` over qo_indptr / kv_indptr.
+
+class CudaBackend:
+    """The fused decode kernel of `astrai_pl.ops` and a library kernel for prompts, reading the pool in place.
+
+    The request table is the page table (a token slot is a one-token page). The step's decodes (its first
+    requests) run `paged_decode`, or the library `ASTRAI_DECODE` names (`astrai_pl.ops.decode_libs`); the other requests run the prefill implementation that
+    `astrai_pl.ops.prefill.prefill_choice` picks (`ASTRAI_PREFILL`). Every length comes from the
+    scheduler's lists, so preparing a step reads nothing back from the device.
     """
 
     name = "cuda"
-    features = frozenset()
+    features = frozenset(FEATURES)
 
     def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cuda":
@@ -129,18 +143,42 @@ class CudaBackend:
         why = ops.unavailable_reason()
         return None if why is None else f"the fused kernels cannot run ({why})"
 
-    def prepare(self, view: StepView, num_q_heads: int) -> tuple[int, int]:
-        return max(view.extend_lens), max(view.kv_lens)
+    def prepare(self, view: StepView, num_q_heads: int) -> _CudaStep:
+        from ..ops.decode_libs import decode_choice
+        from ..ops.prefill import prefill_choice
 
-    def attend(self, view: StepView, layer_idx: int, q: torch.Tensor, k_new, v_new, **shape) -> torch.Tensor:
-        assert not any(v is not None for v in shape.values()), f"the fused kernels cannot do {shape}"
+        nd, kv_lens = view.num_decode, view.kv_lens
+        device, dtype = view.rows.device, view.storage.k.dtype
+        batch = None
+        if nd < len(kv_lens):
+            rest = kv_lens[nd:]
+            table = view.req_to_token[view.rows[nd:], : max(rest)]
+            batch = PagedBatch(view.extend_lens[nd:], rest, table, view.page_size)
+        step = _CudaStep(nd, max(kv_lens[:nd], default=0), batch, prefill_choice(device, dtype))
+        if nd and (decode := decode_choice(device, dtype, view.page_size)) != "kernel":
+            table = view.req_to_token[view.rows[:nd], : step.max_kv]
+            step.decode, step.decodes = decode, PagedBatch([1] * nd, kv_lens[:nd], table, view.page_size)
+        return step
+
+    def attend(self, view: StepView, layer_idx: int, q: torch.Tensor, k_new, v_new, *, window=None, scale=None,
+               softcap=None) -> torch.Tensor:  # fmt: skip
         ops = importlib.import_module("astrai_pl.ops")
-        max_q, max_kv = view.meta
+        step: _CudaStep = view.meta
         k_pool, v_pool = view.storage.k[layer_idx], view.storage.v[layer_idx]
-        table = dict(req_to_token=view.req_to_token, rows=view.rows)
-        if max_q == 1:
-            return ops.paged_decode(q, k_pool, v_pool, view.kv_indptr, max_kv_len=max_kv, **table)
-        return ops.paged_prefill(q, k_pool, v_pool, view.qo_indptr, view.kv_indptr, max_q_len=max_q, **table)
+        shape = dict(window=window, scale=scale, softcap=softcap)
+        nd = step.num_decode
+        decoded = None
+        if step.decodes is not None:
+            decoded = DECODE_LIBS[step.decode](q[:nd], k_pool, v_pool, step.decodes, **shape)
+        elif nd:
+            decoded = ops.paged_decode(
+                q[:nd], k_pool, v_pool, view.kv_indptr[: nd + 1], req_to_token=view.req_to_token,
+                rows=view.rows[:nd], max_kv_len=step.max_kv, **shape,
+            )  # fmt: skip
+        if step.prefill is None:
+            return decoded
+        rest = prefill(q[nd:], k_pool, v_pool, step.prefill, choice=step.choice, **shape)
+        return rest if decoded is None else torch.cat([decoded, rest])
 
 
 # -- selection ------------------------------------------------------------------------------------------------

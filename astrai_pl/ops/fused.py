@@ -14,11 +14,14 @@ from types import ModuleType
 
 import torch
 
+from . import arguments
 from .build import KernelsUnavailable, available, forced, load, log_fallback, unavailable_reason
+from .prefill import batch_from_indptr, prefill
 from .reference import paged_decode_ref, paged_prefill_ref, rotary_emb_ref, store_kv_ref
 
 _DECODE_MIN_SPLIT = 256  # tokens: shorter chunks cost more in merging than they gain in parallelism
 _DECODE_MAX_SPLITS = 64
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # astrai::DType
 
 
 def _kernels(op: str, t: torch.Tensor) -> ModuleType | None:
@@ -53,15 +56,23 @@ def decode_head_chunk(group_size: int) -> int:
     return 8 if group_size >= 5 else 4 if group_size >= 3 else group_size
 
 
-def decode_splits(num_blocks: int, max_kv_len: int, num_sms: int) -> tuple[int, int]:
-    """(num_splits, split_size) for paged decode: cut contexts so that about two blocks run per SM.
+@functools.cache
+def _blocks_per_sm(device_index: int, dtype: torch.dtype, head_dim: int, group: int) -> int:
+    """How many decode blocks of this shape one SM holds at once (the kernel's occupancy)."""
+    del device_index  # the cache key: occupancy is per device
+    return load().paged_decode_blocks_per_sm(_DTYPE_CODES[dtype], head_dim, group)
 
-    `num_blocks` is the grid without splitting (batch × kv heads × head chunks). Splits are at least
-    256 tokens and at most 64; split_size × num_splits covers max_kv_len.
+
+def decode_splits(num_blocks: int, max_kv_len: int, num_sms: int, blocks_per_sm: int = 2) -> tuple[int, int]:
+    """(num_splits, split_size) for paged decode: cut contexts so that one wave fills every SM.
+
+    `num_blocks` is the grid without splitting (batch × kv heads × head chunks); `blocks_per_sm` the
+    kernel's occupancy (`paged_decode_blocks_per_sm`), so a full wave is num_sms × blocks_per_sm blocks.
+    Splits are at least 256 tokens and at most 64; split_size × num_splits covers max_kv_len.
     """
     if max_kv_len <= _DECODE_MIN_SPLIT:
         return 1, max(max_kv_len, 1)
-    wanted = math.ceil(2 * num_sms / max(num_blocks, 1))
+    wanted = math.ceil(max(blocks_per_sm, 1) * num_sms / max(num_blocks, 1))
     splits = max(1, min(wanted, max_kv_len // _DECODE_MIN_SPLIT, _DECODE_MAX_SPLITS))
     size = math.ceil(max_kv_len / splits)
     return math.ceil(max_kv_len / size), size
@@ -111,6 +122,16 @@ def rotary_emb(
     return q, k
 
 
+def _checked_page_table(op, q, batch, kv_indptr, kv_indices, req_to_token, rows, k_pool, qo_indptr=None):
+    """(indptr32, indices, rows32) after every host-side check (and the range check when it is on)."""
+    indices, rows32 = _page_table(op, kv_indices, req_to_token, rows)
+    indptr = _int32(kv_indptr)
+    arguments.check_page_table(op, q, batch, indptr, indices, rows32)
+    if arguments.checking_indices():
+        arguments.check_index_ranges(op, k_pool.shape[0], indptr, indices, rows32, qo_indptr)
+    return indptr, indices, rows32
+
+
 def paged_decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -124,41 +145,45 @@ def paged_decode(
     max_kv_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per request, q (B, Hq, D), over its context in the pool; see `reference.paged_decode_ref`.
 
-    `max_kv_len` (the longest context) saves a device→host read; `num_splits` overrides the split-KV
-    heuristic (`decode_splits`). Returns out (B, Hq, D).
+    `window` keeps the last `window` positions, `softcap` caps the scores (c·tanh(s/c)). `max_kv_len`
+    (the longest context) saves a device→host read; `num_splits` overrides the split-KV choice
+    (`decode_splits` with the kernel's occupancy). Every argument is checked before the launch
+    (`arguments`); a bad one raises `KernelArgumentError` naming it. Returns out (B, Hq, D).
     """
     ext = _kernels("paged_decode", q)
     if ext is None:
         return paged_decode_ref(
-            q,
-            k_pool,
-            v_pool,
-            kv_indptr,
-            kv_indices,
-            req_to_token=req_to_token,
-            rows=rows,
-            scale=scale,
-            out=out,
-        )
-    indices, rows32 = _page_table("paged_decode", kv_indices, req_to_token, rows)
+            q, k_pool, v_pool, kv_indptr, kv_indices, req_to_token=req_to_token, rows=rows, scale=scale,
+            out=out, window=window, softcap=softcap,
+        )  # fmt: skip
     q = q.contiguous()
+    arguments.check_attention("paged_decode", q, k_pool, v_pool, out)
     batch, num_q_heads, head_dim = q.shape
+    indptr, indices, rows32 = _checked_page_table(
+        "paged_decode", q, batch, kv_indptr, kv_indices, req_to_token, rows, k_pool
+    )
+    if window is not None and window < 1 or softcap is not None and softcap <= 0:
+        raise arguments.KernelArgumentError(f"paged_decode: window ({window}) and softcap ({softcap}) must be positive")
     max_kv_len = _longest(kv_indptr) if max_kv_len is None else max_kv_len
+    span = max_kv_len if window is None else min(max_kv_len, window)
     if num_splits is None:
-        group = num_q_heads // max(k_pool.shape[1], 1)
-        chunk = decode_head_chunk(group)
-        blocks = batch * k_pool.shape[1] * math.ceil(group / max(chunk, 1))
-        num_splits, split_size = decode_splits(blocks, max_kv_len, _num_sms(_device_index(q)))
+        group = num_q_heads // k_pool.shape[1]
+        blocks = batch * k_pool.shape[1] * math.ceil(group / decode_head_chunk(group))
+        device = _device_index(q)
+        occupancy = _blocks_per_sm(device, q.dtype, head_dim, group)
+        num_splits, split_size = decode_splits(blocks, span, _num_sms(device), occupancy)
     else:
-        split_size = max(1, math.ceil(max_kv_len / num_splits))
+        split_size = max(1, math.ceil(span / num_splits))
     out = torch.empty_like(q) if out is None else out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     ext.paged_decode(
-        q, k_pool, v_pool, _int32(kv_indptr), indices, rows32, out,
-        num_splits, split_size, scale, _stream(q),
+        q, k_pool, v_pool, indptr, indices, rows32, out, num_splits, split_size, scale, window or 0,
+        softcap or 0.0, _stream(q),
     )  # fmt: skip
     return out
 
@@ -177,27 +202,29 @@ def paged_prefill(
     scale: float | None = None,
     max_q_len: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """A ragged batch of queries q (T, Hq, D) over the pool; see `reference.paged_prefill_ref`.
 
-    `max_q_len` (the most queries of one request) saves a device→host read. Returns out (T, Hq, D).
+    On CUDA (causal) it runs the library kernel `prefill.prefill_choice` picks (SDPA over gathered K/V by
+    default, FlexAttention over the pool, or flash-attn), reading the lengths back once; elsewhere, or
+    non-causal, the reference. `max_q_len` is accepted for signature parity. Returns out (T, Hq, D).
     """
-    ext = _kernels("paged_prefill", q)
-    if ext is None:
-        return paged_prefill_ref(
-            q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,
-            req_to_token=req_to_token, rows=rows, causal=causal, scale=scale, out=out,
-        )  # fmt: skip
-    indices, rows32 = _page_table("paged_prefill", kv_indices, req_to_token, rows)
-    q = q.contiguous()
-    max_q_len = _longest(qo_indptr) if max_q_len is None else max_q_len
-    out = torch.empty_like(q) if out is None else out
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    ext.paged_prefill(
-        q, k_pool, v_pool, _int32(qo_indptr), _int32(kv_indptr), indices, rows32, out,
-        max_q_len, causal, scale, _stream(q),
-    )  # fmt: skip
-    return out
+    del max_q_len
+    reference = dict(req_to_token=req_to_token, rows=rows, causal=causal, scale=scale, window=window,
+                     softcap=softcap)  # fmt: skip
+    if not q.is_cuda or not causal:
+        return paged_prefill_ref(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, out=out, **reference)
+    arguments.check_attention("paged_prefill", q, k_pool, v_pool, out, head_dims=(q.shape[-1],))
+    arguments.check_index("paged_prefill", "qo_indptr", qo_indptr, q, dims=1, layout="(batch + 1,)",
+                          allow_int64=True)  # fmt: skip
+    indptr, indices, rows32 = _checked_page_table(
+        "paged_prefill", q, qo_indptr.shape[0] - 1, kv_indptr, kv_indices, req_to_token, rows, k_pool, qo_indptr
+    )
+    batch = batch_from_indptr(qo_indptr, indptr, kv_indices, req_to_token, rows32)
+    o = prefill(q, k_pool, v_pool, batch, scale=scale, window=window, softcap=softcap)
+    return o if out is None else out.copy_(o)
 
 
 def paged_attention(
@@ -215,7 +242,7 @@ def paged_attention(
     """An engine step's causal attention: q (T, Hq, D) ragged by qo_indptr over kv_indices → (T, Hq, D).
 
     Every request has at least one query; when each has exactly one (T == batch) the decode kernel runs,
-    otherwise the prefill kernel.
+    otherwise the prefill path (`paged_prefill`).
     """
     if q.shape[0] == qo_indptr.shape[0] - 1 and max_q_len in (None, 1):
         return paged_decode(q, k_pool, v_pool, kv_indptr, kv_indices, max_kv_len=max_kv_len, scale=scale)
@@ -232,4 +259,5 @@ def store_kv(
     if ext is None:
         store_kv_ref(k_pool, v_pool, slots, k, v)
         return
+    arguments.check_store_kv(k_pool, v_pool, slots, k, v)
     ext.store_kv(k_pool, v_pool, slots.contiguous(), k, v, _stream(k_pool))

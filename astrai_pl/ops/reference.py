@@ -11,7 +11,8 @@ They define what the kernels compute and are what `astrai_pl.ops` runs when the 
 
 Query head h reads key/value head h // (Hq / Hkv). Causal attention puts a request's q_len queries at
 the end of its kv_len-token context: query i sees keys 0 … kv_len − q_len + i. The default scale is
-1/sqrt(head_dim).
+1/sqrt(head_dim). A sliding `window` keeps the last `window` positions up to each query (its own included);
+a `softcap` c maps every scaled score s to c·tanh(s / c) before the softmax (Gemma 2).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def paged_prefill_ref(
     scale: float | None = None,
     max_q_len: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of a ragged batch of queries q (T, Hq, D) over each request's context in the pool.
 
@@ -108,10 +111,14 @@ def paged_prefill_ref(
         v = v_pool[slots].float().transpose(0, 1)[:, None]
         qb = q[qo[b] : qo[b + 1]].float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         scores = (qb @ k.transpose(-1, -2)) * scale  # (Hkv, G, E, C)
-        if causal:
-            first = kv_len - q_len
-            keys = torch.arange(kv_len, device=q.device)
-            visible = keys[None, :] <= first + torch.arange(q_len, device=q.device)[:, None]  # (E, C)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        keys = torch.arange(kv_len, device=q.device)
+        query_pos = (kv_len - q_len) + torch.arange(q_len, device=q.device)[:, None]  # (E, 1)
+        visible = keys[None, :] <= query_pos if causal else torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+        if window is not None:
+            visible = visible & (keys[None, :] > query_pos - window)  # (E, C)
+        if causal or window is not None:
             scores = scores.masked_fill(~visible, float("-inf"))
         o = torch.softmax(scores, dim=-1) @ v  # (Hkv, G, E, D)
         result[qo[b] : qo[b + 1]] = (
@@ -133,6 +140,8 @@ def paged_decode_ref(
     max_kv_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per request, q (B, Hq, D), against its whole context; returns (B, Hq, D).
 
@@ -142,7 +151,7 @@ def paged_decode_ref(
     qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_prefill_ref(
         q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices,
-        req_to_token=req_to_token, rows=rows, causal=True, scale=scale, out=out,
+        req_to_token=req_to_token, rows=rows, causal=True, scale=scale, out=out, window=window, softcap=softcap,
     )  # fmt: skip
 
 

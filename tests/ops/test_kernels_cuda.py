@@ -52,14 +52,31 @@ def test_paged_decode(dtype, head_dim, heads, num_splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("features", [{}, {"window": 100}, {"softcap": 30.0}, {"window": 7, "softcap": 5.0}])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_paged_decode_windows_and_softcaps(dtype, head_dim, features, num_splits):
+    case = paged_case([1] * 4, [1, 2100, 33, 700], 32, 8, head_dim, dtype, "cuda", seed=head_dim)
+    ref = ops.paged_decode_ref(case.q, case.k_pool, case.v_pool, case.kv_indptr, case.kv_indices, **features)
+    out = torch.full_like(case.q, float("nan"))
+    ops.paged_decode(case.q, case.k_pool, case.v_pool, case.kv_indptr, case.kv_indices, out=out,
+                     num_splits=num_splits, **features)  # fmt: skip
+    assert relative_error(out, ref) <= limit(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("causal", [True, False])
-def test_paged_prefill(dtype, head_dim, causal):
+@pytest.mark.parametrize("choice", ["sdpa", "flex", "flash"])
+@pytest.mark.parametrize("features", [{}, {"window": 50}, {"softcap": 20.0}])
+def test_paged_prefill(dtype, head_dim, choice, features):
+    from astrai_pl.ops.prefill import override_prefill
+
     case = paged_case([1, 40, 70, 5], [1, 40, 300, 900], 12, 4, head_dim, dtype, "cuda", seed=head_dim)
     args = (case.q, case.k_pool, case.v_pool, case.qo_indptr, case.kv_indptr, case.kv_indices)
     out = torch.full_like(case.q, float("nan"))
-    ops.paged_prefill(*args, causal=causal, out=out)
-    assert relative_error(out, ops.paged_prefill_ref(*args, causal=causal)) <= limit(dtype)
+    with override_prefill(choice):
+        ops.paged_prefill(*args, out=out, **features)
+    assert relative_error(out, ops.paged_prefill_ref(*args, **features)) <= limit(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -101,3 +118,68 @@ def test_binding_errors_name_the_argument():
                          case.v_pool[..., :32].contiguous(), case.kv_indptr, case.kv_indices)  # fmt: skip
     with pytest.raises(RuntimeError, match="v_pool is Float but q is BFloat16"):
         ops.paged_decode(case.q, case.k_pool, case.v_pool.float(), case.kv_indptr, case.kv_indices)
+    bad = case.kv_indices.clone()
+    bad[0] = case.k_pool.shape[0] + 1000
+    with ops.check_indices(), pytest.raises(RuntimeError, match="kv_indices holds slots outside"):
+        ops.paged_decode(case.q, case.k_pool, case.v_pool, case.kv_indptr, bad)
+    ops.paged_decode(case.q, case.k_pool, case.v_pool, case.kv_indptr, bad)  # unchecked: skipped, never read
+    torch.cuda.synchronize()
+
+
+def test_decode_occupancy_is_positive():
+    for dtype in DTYPES:
+        for head_dim in (64, 128, 256):
+            assert ops.load().paged_decode_blocks_per_sm({torch.float32: 0, torch.float16: 1,
+                                                          torch.bfloat16: 2}[dtype], head_dim, 4) >= 1  # fmt: skip
+
+
+BINDING_CALL = """
+import torch, sys
+sys.path.insert(0, "tests/ops")
+from paged_cases import paged_case
+from astrai_pl import ops
+case = paged_case([1], [4], 4, 2, 64, torch.bfloat16, "cuda")
+narrow = [t[..., :32].contiguous() for t in (case.q, case.k_pool, case.v_pool)]
+for args in [(*narrow, case.kv_indptr), (case.q, case.k_pool, case.v_pool, case.kv_indptr.float())]:
+    try:
+        ops.load().paged_decode(*args, case.kv_indices, None, torch.empty_like(args[0]), 1, 4, 0.1, 0, 0.0, 0)
+    except RuntimeError as err:
+        print("raised:", str(err).splitlines()[0])
+"""
+
+
+def test_the_binding_raises_its_own_checks_without_crashing():
+    """The extension called directly (no Python checks in front): in a child process, so a crash in the
+    C++ exception path shows as a failed test instead of ending the session."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", BINDING_CALL], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raised: paged_decode: head_dim must be 64, 128 or 256, got 32" in done.stdout
+    assert "raised: paged_decode: kv_indptr must be int32, got Float" in done.stdout
+
+
+@pytest.mark.parametrize("name,page_size", [("flashinfer", 16), ("flash", 256)])
+@pytest.mark.parametrize("features", [{}, {"window": 100, "softcap": 30.0}])
+def test_library_decode_equals_the_reference(name, page_size, features):
+    from astrai_pl.ops.decode_libs import DECODE_LIBS, why_not
+    from astrai_pl.ops.prefill import PagedBatch
+
+    if why_not(name, torch.device("cuda"), torch.bfloat16, page_size):
+        pytest.skip(why_not(name, torch.device("cuda"), torch.bfloat16, page_size))
+    kv_lens, pages = [1, 700, 33], torch.randperm(64)
+    table = torch.zeros(3, 4 * page_size, dtype=torch.int32)
+    for r, n in enumerate(kv_lens):
+        for j in range(n):
+            table[r, j] = pages[r * 4 + j // page_size] * page_size + j % page_size
+    k_pool, v_pool = (torch.randn(64 * page_size, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    table = table.cuda()
+    kv_indptr = torch.tensor([0, 1, 701, 734], dtype=torch.int32, device="cuda")
+    rows = torch.arange(3, device="cuda")
+    ref = ops.paged_decode_ref(q, k_pool, v_pool, kv_indptr, req_to_token=table, rows=rows, **features)
+    out = DECODE_LIBS[name](q, k_pool, v_pool, PagedBatch([1] * 3, kv_lens, table, page_size), **features)
+    assert relative_error(out, ref) <= limit(torch.bfloat16)

@@ -244,3 +244,19 @@ def test_ops_and_the_gpu_check_import_nothing_heavy():
     assert "heavy []" in done.stdout, done.stdout
     if not torch.cuda.is_available():
         assert "needs a CUDA device" in done.stdout + done.stderr and "exit 2" in done.stdout
+
+
+def test_reference_window_and_softcap_by_hand():
+    """window 1: each query sees only its own position (out = its V row); a soft-cap c bounds scores in
+    (-c, c), so with a tiny c every visible key weighs the same (out = the mean of the visible V rows)."""
+    case = paged_case([3, 2], [5, 4], 4, 2, 64, seed=11)
+    args = (case.q, case.k_pool, case.v_pool, case.qo_indptr, case.kv_indptr, case.kv_indices)
+    own = torch.cat([case.kv_indices[2:5], case.kv_indices[7:9]]).long()  # each query's own slot
+    expected = case.v_pool[own].repeat_interleave(2, dim=1)  # (T, Hq, D): kv head h // 2
+    torch.testing.assert_close(ops.paged_prefill_ref(*args, window=1), expected)
+    out = ops.paged_prefill_ref(*args, softcap=1e-6, window=2)
+    previous = torch.cat([case.kv_indices[1:4], case.kv_indices[6:8]]).long()
+    torch.testing.assert_close(out, (case.v_pool[own] + case.v_pool[previous]).repeat_interleave(2, dim=1) / 2)
+    decode = ops.paged_decode_ref(case.q[[2, 4]], case.k_pool, case.v_pool, case.kv_indptr, case.kv_indices,
+                                  window=1)  # fmt: skip
+    torch.testing.assert_close(decode, expected[[2, 4]])
