@@ -1,4 +1,4 @@
-"""The one-call decode layer (astrai_pl/inference/cpu_decode.py) against the module path, in one process.
+"""The one-call decode layer (astrai_pl/inference/attention/cpu_decode.py) against the module path, in one process.
 
 One engine on random weights of a preset (`small` by default), the ragged workload of bench_serve.py (16
 prompts of 16-200 tokens x 64 new, greedy), rounds alternating between the two paths (the runner's

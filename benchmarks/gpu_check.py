@@ -175,7 +175,7 @@ def check_engine(device: str) -> bool | None:
     """Greedy tokens with the cuda backend == with the torch backend; None when there is no Engine."""
     try:
         from astrai_pl.inference import Engine, SamplingParams
-        from astrai_pl.inference.backends import attn_backend
+        from astrai_pl.inference.attention.backends import attn_backend
     except ImportError as err:
         print(f"  note: engine check skipped, astrai_pl.inference has no Engine yet ({err})")
         return None

@@ -98,7 +98,7 @@ def random_model(s: Shape):
 
 def ours(model, backend: str, prompts, new: int, s: Shape) -> float:
     from astrai_pl.inference import Engine, SamplingParams
-    from astrai_pl.inference.backends import attn_backend
+    from astrai_pl.inference.attention.backends import attn_backend
 
     with attn_backend(backend):
         # a fixed pool (1.6 GB at the 0.5B shape) that holds the largest workload: no engine takes 80% of the GPU

@@ -12,14 +12,14 @@ from their modules. See docs/inference.md for the design.
 """
 
 from .admission import PromptError
-from .backends import BackendUnavailable
+from .attention import BackendUnavailable
 from .cache import CapacityError, InferenceError
 from .engine import Engine, EngineConfigError, EngineStats
 from .handle import RequestHandle
+from .recurrent import StateSession, StateStore, generate_batch
 from .request import Completion, Delta, RequestError
 from .sampling import SamplingParams, SamplingParamsError
 from .sessions import Session, SessionError, SessionMemory
-from .state_session import StateSession, StateStore, generate_batch
 
 __all__ = [
     "BackendUnavailable",

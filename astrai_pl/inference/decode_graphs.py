@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import select_backend
+from .attention.backends import select_backend
 from .pool import EngineConfigError
 from .sampling import to_device
 

@@ -32,7 +32,7 @@ from .handle import Outbox, RequestHandle
 from .loop import BackgroundLoop
 from .pool import EngineConfigError, PoolUsage, build_pool, default_total_tokens, positive
 from .recovery import StepRecovery
-from .recurrent import build_recurrent, is_recurrent
+from .recurrent.runner import build_recurrent, is_recurrent
 from .request import Completion, Delta, Request, end_ids, is_sample_of
 from .runner import ModelRunner
 from .sampling import Alternatives, SamplingParams, SamplingParamsError, sample
@@ -89,7 +89,7 @@ class Engine(StepRecovery):
             "max_step_tokens", (8192 if gpu else 1024) if max_step_tokens is None else max_step_tokens
         )
         graphs = graphs_wanted(cuda_graphs, model, self.device, contiguous)  # False, logged, for RWKV
-        if is_recurrent(model):  # RWKV: a state slot per request instead of K/V pages (recurrent.py)
+        if is_recurrent(model):  # RWKV: a state slot per request instead of K/V pages (recurrent/runner.py)
             self.pool, self.max_context, self.scheduler, self.runner = build_recurrent(
                 model, self.device, self.dtype, page_size, max_total_tokens, max_batch_size, max_step_tokens,
                 prefix_cache, contiguous,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..model.layers import InputMajorWeights, Linear
-from .backends import StepView, model_features, select_backend
-from .cpu_decode import CpuDecode
+from .attention import StepView, model_features, select_backend
+from .attention.cpu_decode import CpuDecode
 from .decode_graphs import DecodeGraphs, RecordingFailed
 from .pool import KVPool
 from .request import Request
@@ -29,7 +29,7 @@ class ModelRunner:
         self.scratch: dict = {}  # attention backends' state between steps
         self.weights = InputMajorWeights() if device.type == "cpu" else None
         self.needs = model_features(model.config)  # what the attention backend must do for this model
-        # decode steps of a Llama-shaped model on CPU: one kernel call for all layers (cpu_decode.py)
+        # decode steps of a Llama-shaped model on CPU: one kernel call for all layers (attention/cpu_decode.py)
         self.cpu_decode = CpuDecode.for_model(model) if device.type == "cpu" else None
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from recordings (decode_graphs.py)
 

@@ -249,7 +249,7 @@ class Session:
         )
 
     def memory(self) -> SessionMemory:
-        if holds_states(self.engine.pool):  # a recurrent engine (state_pool.py): a held state, not pages
+        if holds_states(self.engine.pool):  # a recurrent engine (recurrent/pool.py): a held state, not pages
             return self.engine.pool.session_memory(self)
         refs, ps = self.engine.pool.allocator.refs, self.engine.page_size
         shared = sum(1 for p in self.pages if refs[p] > 1)

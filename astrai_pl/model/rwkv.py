@@ -26,7 +26,7 @@ Eval mode applies transformers' `rescale_every`: block i's output projections (t
 are divided by 2^(i // rescale_every) and the residual stream halved after every rescale_every-th block.
 Both are exact powers of two, so only the LayerNorm epsilons see the difference; training never rescales.
 
-The inference engine serves it from a pool of these states (`inference/recurrent.py`), not from K/V pages
+The inference engine serves it from a pool of these states (`inference/recurrent/runner.py`), not from K/V pages
 (`check_engine_support` keeps it out of a K/V pool). The recurrence runs as a fused CPU kernel each way in float32 on CPU
 (`astrai_pl.ops.wkv`), elsewhere as a loop over time in PyTorch (kept out of `torch.compile`'s graph).
 """
@@ -89,7 +89,7 @@ class RwkvState:
 def check_engine_support(config: ModelConfig) -> None:
     """Raise UnsupportedMixerError for a model the K/V pool cannot hold (RWKV: its pages have no place for a
     recurrent state). Called where a K/V pool is built; the Engine itself serves RWKV from a state pool
-    (inference/recurrent.py) and never builds one. An RWKV forward given a KV cache raises the same error."""
+    (inference/recurrent/runner.py) and never builds one. An RWKV forward given a KV cache raises the same error."""
     if config.mixer == "rwkv":
         raise UnsupportedMixerError(
             f"ModelConfig.model_type={config.model_type!r}: a K/V pool pages attention keys and values, and "

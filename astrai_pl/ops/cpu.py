@@ -8,7 +8,7 @@
     paged_decode_attention  one query per request over its K/V where they lie in the paged pool: the
                inference engine's decode attention on CPU, nothing gathered (float32, no autograd)
     decode_layers  a decode step's whole stack of Llama blocks, through the kernels above in one OpenMP
-               region (the inference engine's CPU decode steps; `inference/cpu_decode.py` is its face)
+               region (the inference engine's CPU decode steps; `inference/attention/cpu_decode.py` is its face)
     wkv        RWKV-4's recurrence over a sequence, forward and backward (float32; `wkv.py` is its face)
 
 Eager PyTorch runs RMSNorm as five ops forward and about ten backward, and the rotary embedding as five

@@ -14,7 +14,15 @@ from types import ModuleType
 
 import torch
 
-from . import arguments
+from .arguments import (
+    KernelArgumentError,
+    check_attention,
+    check_index,
+    check_index_ranges,
+    check_page_table,
+    check_store_kv,
+    checking_indices,
+)
 from .build import KernelsUnavailable, available, forced, load, log_fallback, unavailable_reason
 from .prefill import batch_from_indptr, prefill
 from .reference import paged_decode_ref, paged_prefill_ref, rotary_emb_ref, store_kv_ref
@@ -126,9 +134,9 @@ def _checked_page_table(op, q, batch, kv_indptr, kv_indices, req_to_token, rows,
     """(indptr32, indices, rows32) after every host-side check (and the range check when it is on)."""
     indices, rows32 = _page_table(op, kv_indices, req_to_token, rows)
     indptr = _int32(kv_indptr)
-    arguments.check_page_table(op, q, batch, indptr, indices, rows32)
-    if arguments.checking_indices():
-        arguments.check_index_ranges(op, k_pool.shape[0], indptr, indices, rows32, qo_indptr)
+    check_page_table(op, q, batch, indptr, indices, rows32)
+    if checking_indices():
+        check_index_ranges(op, k_pool.shape[0], indptr, indices, rows32, qo_indptr)
     return indptr, indices, rows32
 
 
@@ -162,13 +170,13 @@ def paged_decode(
             out=out, window=window, softcap=softcap,
         )  # fmt: skip
     q = q.contiguous()
-    arguments.check_attention("paged_decode", q, k_pool, v_pool, out)
+    check_attention("paged_decode", q, k_pool, v_pool, out)
     batch, num_q_heads, head_dim = q.shape
     indptr, indices, rows32 = _checked_page_table(
         "paged_decode", q, batch, kv_indptr, kv_indices, req_to_token, rows, k_pool
     )
     if window is not None and window < 1 or softcap is not None and softcap <= 0:
-        raise arguments.KernelArgumentError(f"paged_decode: window ({window}) and softcap ({softcap}) must be positive")
+        raise KernelArgumentError(f"paged_decode: window ({window}) and softcap ({softcap}) must be positive")
     max_kv_len = _longest(kv_indptr) if max_kv_len is None else max_kv_len
     span = max_kv_len if window is None else min(max_kv_len, window)
     if num_splits is None:
@@ -216,8 +224,8 @@ def paged_prefill(
                      softcap=softcap)  # fmt: skip
     if not q.is_cuda or not causal:
         return paged_prefill_ref(q, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, out=out, **reference)
-    arguments.check_attention("paged_prefill", q, k_pool, v_pool, out, head_dims=(q.shape[-1],))
-    arguments.check_index("paged_prefill", "qo_indptr", qo_indptr, q, dims=1, layout="(batch + 1,)",
+    check_attention("paged_prefill", q, k_pool, v_pool, out, head_dims=(q.shape[-1],))
+    check_index("paged_prefill", "qo_indptr", qo_indptr, q, dims=1, layout="(batch + 1,)",
                           allow_int64=True)  # fmt: skip
     indptr, indices, rows32 = _checked_page_table(
         "paged_prefill", q, qo_indptr.shape[0] - 1, kv_indptr, kv_indices, req_to_token, rows, k_pool, qo_indptr
@@ -259,5 +267,5 @@ def store_kv(
     if ext is None:
         store_kv_ref(k_pool, v_pool, slots, k, v)
         return
-    arguments.check_store_kv(k_pool, v_pool, slots, k, v)
+    check_store_kv(k_pool, v_pool, slots, k, v)
     ext.store_kv(k_pool, v_pool, slots.contiguous(), k, v, _stream(k_pool))

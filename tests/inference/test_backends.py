@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from astrai_pl.inference import BackendUnavailable, torch_backend
-from astrai_pl.inference.backends import CudaBackend, StepView, TorchBackend, attn_backend, select_backend
+from astrai_pl.inference.attention import StepView, attn_backend, select_backend
+from astrai_pl.inference.attention.cuda_backend import CudaBackend
+from astrai_pl.inference.attention.torch_backend import TorchBackend
 from astrai_pl.inference.cache import KVStorage, ReqToTokenPool
 from astrai_pl.inference.pool import KVPool
 from astrai_pl.ops import cpu as cpu_ops

@@ -9,7 +9,7 @@ import torch
 
 import astrai_pl.inference.engine as engine_module
 from astrai_pl.inference import CapacityError, InferenceError, SamplingParams, SamplingParamsError
-from astrai_pl.inference.backends import BackendUnavailable, attn_backend
+from astrai_pl.inference.attention.backends import BackendUnavailable, attn_backend
 from astrai_pl.inference.sampling import sample
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The one-call decode layer (inference/cpu_decode.py): the same logits as the module path, bit for bit, and
+"""The one-call decode layer (inference/attention/cpu_decode.py): the same logits as the module path, bit for bit, and
 the module path wherever it does not apply."""
 
 import copy
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from astrai_pl.inference import SamplingParams
-from astrai_pl.inference import cpu_decode as cpu_decode_module
-from astrai_pl.inference.cpu_decode import unsupported
+from astrai_pl.inference.attention import cpu_decode as cpu_decode_module
+from astrai_pl.inference.attention.cpu_decode import unsupported
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.model.layers import RMSNorm
 from astrai_pl.model.lora import LoraConfig, apply_lora

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astrai_pl.inference.backends import CudaBackend, StepView, TorchBackend
+from astrai_pl.inference.attention import StepView
+from astrai_pl.inference.attention.cuda_backend import CudaBackend
+from astrai_pl.inference.attention.torch_backend import TorchBackend
 from astrai_pl.inference.cache import KVStorage, ReqToTokenPool
 from astrai_pl.inference.pool import KVPool
 from astrai_pl.ops.prefill import override_prefill

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from astrai_pl.inference import Engine, EngineConfigError, SamplingParams
-from astrai_pl.inference.backends import attn_backend
+from astrai_pl.inference.attention.backends import attn_backend
 from astrai_pl.inference.decode_graphs import (
     DecodeGraphs,
     DecodeInputs,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from astrai_pl.inference import Engine, SamplingParams
+from astrai_pl.inference.recurrent.session import StateSession
 from astrai_pl.inference.sessions import SessionError
-from astrai_pl.inference.state_session import StateSession
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.model.rwkv import LayerState, RwkvState
 

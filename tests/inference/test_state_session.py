@@ -14,8 +14,8 @@ from astrai_pl.inference import (
     StateStore,
     generate_batch,
 )
-from astrai_pl.inference.state_files import compressible
-from astrai_pl.inference.state_ops import unscaled
+from astrai_pl.inference.recurrent.files import compressible
+from astrai_pl.inference.recurrent.ops import unscaled
 from astrai_pl.model import ModelConfig, Transformer
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -6,7 +6,12 @@ import torch
 from family_parity import greedy_pair, round_trip_gaps
 
 from astrai_pl.inference import Engine, SamplingParams
-from astrai_pl.inference.backends import BackendUnavailable, attn_backend, model_features, select_backend
+from astrai_pl.inference.attention.backends import (
+    BackendUnavailable,
+    attn_backend,
+    model_features,
+    select_backend,
+)
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.model.hf import ExportError
 from astrai_pl.ops import cpu as cpu_ops

@@ -1,4 +1,4 @@
-"""The engine over a recurrent (RWKV) model: a scheduler and a runner on the `StatePool` (state_pool.py).
+"""The engine over a recurrent (RWKV) model: a scheduler and a runner on the `StatePool` (recurrent/pool.py).
 
 The engine's request life is unchanged (submit → schedule → step → finish → release, sampling shared);
 what a request holds differs. It holds one state slot while running (its row), nothing growing with its
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from ..model.layers import InputMajorWeights, Linear
-from ..model.rwkv import LayerState, RwkvState
-from .pool import positive
-from .request import Request
-from .runner import ModelRunner
-from .scheduler import _LOOKAHEAD, Scheduler
-from .state_pool import StatePool, StateUsage, default_snapshots
+from ...model.layers import InputMajorWeights, Linear
+from ...model.rwkv import LayerState, RwkvState
+from ..pool import positive
+from ..request import Request
+from ..runner import ModelRunner
+from ..scheduler import _LOOKAHEAD, Scheduler
+from .pool import StatePool, StateUsage, default_snapshots
 
 TIME_SLICE = 16  # steps a request keeps its slot before yielding it to a waiting request
 DEFAULT_CONTEXT = 1 << 16  # the longest context when max_total_tokens is not given: the state has no limit

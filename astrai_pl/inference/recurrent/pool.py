@@ -15,7 +15,7 @@ them as one (layers, rows, H) tensor per component; rows are of three kinds:
 
 The bytes of a request are constant in its length: one slot while running, one held copy while waiting.
 An engine session saves its held state in the state file format of the standalone state sessions
-(state_files.py, float32, with its token ids) and loads it back as a held state, checked as they are.
+(files.py, float32, with its token ids) and loads it back as a held state, checked as they are.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from itertools import count
 
 import torch
 
-from ..model.rwkv import NO_EXPONENT, LayerState, UnsupportedMixerError
-from .cache import PageAllocator
-from .pool import KVPool
-from .radix import RadixCache
-from .sessions import Session, SessionMemory, _checked_tokens, file_refuser
-from .state_files import read_state, write_state
+from ...model.rwkv import NO_EXPONENT, LayerState, UnsupportedMixerError
+from ..cache import PageAllocator
+from ..pool import KVPool
+from ..radix import RadixCache
+from ..sessions import Session, SessionMemory, _checked_tokens, file_refuser
+from .files import read_state, write_state
 
 COMPONENTS = LayerState._fields  # ffn_shift, att_shift (activations' dtype), aa, bb, pp (float32)
 SNAPSHOT_BYTES_CPU = 256 << 20  # default snapshot memory on CPU

@@ -27,9 +27,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from ..atomic import write_atomically
-from ..model.rwkv import NO_EXPONENT, LayerState
-from .sessions import SessionError
+from ...atomic import write_atomically
+from ...model.rwkv import NO_EXPONENT, LayerState
+from ..sessions import SessionError
 
 FORMAT = "astrai_pl.rwkv_state"
 VERSION = "1"

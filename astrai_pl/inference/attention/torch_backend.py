@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..model.attention import capped_attention
-from ..ops import cpu as cpu_ops
-from .step_view import StepView
+from ...model.attention import capped_attention
+from ...ops import cpu as cpu_ops
+from .view import StepView
 
 MIRROR_BYTES = 256 * 1024**2  # above this the decode group is gathered every step instead
 # On the CPU kernel, whole prompts longer than this take SDPA's causal attention instead (at 2,000 tokens the kernel,

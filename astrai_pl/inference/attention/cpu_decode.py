@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 from torch.nn.modules import module as nn_module
 
-from ..model.attention import Attention
-from ..model.layers import InputMajorWeights, Linear, RMSNorm, SwiGLU
-from ..model.transformer import Block
-from ..ops import cpu as cpu_ops
-from .step_view import StepView
+from ...model.attention import Attention
+from ...model.layers import InputMajorWeights, Linear, RMSNorm, SwiGLU
+from ...model.transformer import Block
+from ...ops import cpu as cpu_ops
+from .view import StepView
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # weights the panels copy (not NF4, not DTensor)
 

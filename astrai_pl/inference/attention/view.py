@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .cache import KVStorage
+from ..cache import KVStorage
 
 
 @dataclass
@@ -90,6 +90,9 @@ def _indptr(lengths: list[int], device: torch.device) -> torch.Tensor:
         out.append(out[-1] + n)
     return torch.tensor(out, dtype=torch.int32, device=device)
 
+
+# What a model's attention may ask of a backend beyond causal attention at 1/sqrt(head_dim) (backends.model_features)
+FEATURES = ("sliding_window", "softcap", "scale")
 
 class AttentionBackend(Protocol):
     name: str

@@ -30,15 +30,14 @@ from itertools import count
 
 import torch
 
-from ..model.rwkv import RwkvState
-from .admission import check_params, params_per_prompt, prompt_token_ids, text_stream
-from .cache import CapacityError
-from .recurrent import is_recurrent
-from .request import Completion, Request, end_ids
-from .sampling import SamplingParams, sample
-from .sessions import FingerprintCache, SessionError
-from .state_files import read_state, write_state
-from .state_ops import (
+from ...model.rwkv import RwkvState
+from ..admission import check_params, params_per_prompt, prompt_token_ids, text_stream
+from ..cache import CapacityError
+from ..request import Completion, Request, end_ids
+from ..sampling import SamplingParams, sample
+from ..sessions import FingerprintCache, SessionError
+from .files import read_state, write_state
+from .ops import (
     blend_layers,
     check_edit,
     layers_of,
@@ -49,6 +48,7 @@ from .state_ops import (
     state_distance,
     state_stats,
 )
+from .runner import is_recurrent
 
 _ids = count()
 
@@ -153,7 +153,7 @@ class StateSession:
     # -- files ----------------------------------------------------------------------------------------------
     def save(self, path, dtype: torch.dtype = torch.float32) -> None:
         """Write the state, its next-token logits and a header (model fingerprint, layout version, dtype, token
-        count) to safetensors; float16 / bfloat16 compress it (state_files.py). The pending token is computed
+        count) to safetensors; float16 / bfloat16 compress it (files.py). The pending token is computed
         first, so the file's size depends only on the model."""
         write_state(path, self.layers(), self.last_logits, self.fingerprint.get(), self.num_tokens, dtype)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.rwkv import NO_EXPONENT, LayerState, RwkvState
+from ...model.rwkv import NO_EXPONENT, LayerState, RwkvState
 
 EDITABLE = ("ffn_shift", "att_shift", "aa", "bb", "history")
 """What `scale_state` scales: a token shift, the numerator a (aa), the denominator b (bb), or both sums
