@@ -1,6 +1,7 @@
 """The training objectives: one LightningModule each over the shared Transformer."""
 
 from .base import Objective
+from .distill import Distill
 from .dpo import DPO
 from .evaluation import greedy_accuracy
 from .grpo import GRPO
@@ -14,4 +15,4 @@ from .sft import SFT
 from .simpo import SimPO
 
 __all__ = ["Objective", "Pretrain", "SFT", "DPO", "GRPO", "KTO", "ORPO", "SimPO", "RewardModel", "OnlineDPO", "RLOO",
-           "greedy_accuracy"]
+           "Distill", "greedy_accuracy"]
