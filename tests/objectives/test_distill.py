@@ -119,3 +119,16 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path):
     Transformer(arch).save_pretrained(tmp_path, tokenizer=TOKENIZER)
     with pytest.raises(ConfigError, match="vocab_size=400"):
         Distill(arch=ModelConfig.from_name("debug"), tokenizer=TOKENIZER, teacher_model=str(tmp_path)).teacher
+
+
+def test_the_accuracy_comparison_dry_runs(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "distill_accuracy.py"
+    spec = importlib.util.spec_from_file_location("distill_accuracy", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--dry-run"])
+    assert [r[0] for r in rows] == [name for name, _ in module.RUNS.values()]
+    assert all(0.0 <= r[1] <= 1.0 for r in rows) and "held-out accuracy" in capsys.readouterr().out
