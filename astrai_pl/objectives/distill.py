@@ -14,7 +14,13 @@ from ..inference import SamplingParams
 from ..model import ConfigError
 from .base import Objective
 from .logprobs import scored_rows
-from .on_policy import check_whole_model, policy_engine, require_prompts, sample_packed
+from .on_policy import (
+    check_whole_model,
+    longest_prompted_sequence,
+    policy_engine,
+    require_prompts,
+    sample_packed,
+)
 from .on_policy_losses import check_jsd_beta, generalized_jsd_loss, topk_generalized_jsd_loss
 from .options import require
 from .rollout import pack
@@ -135,11 +141,7 @@ class Distill(Objective):
         super().configure_model()
 
     def longest_sequence(self, datamodule: Any) -> tuple[str, int] | None:
-        prompt = getattr(datamodule, "hparams", {}).get("max_prompt_len")
-        n = self.hparams.max_new_tokens
-        if prompt is None:
-            return "model.init_args.max_new_tokens", n
-        return "data.init_args.max_prompt_len + model.init_args.max_new_tokens", int(prompt) + n
+        return longest_prompted_sequence(datamodule, "max_new_tokens", self.hparams.max_new_tokens)
 
     # -- the sequences -----------------------------------------------------------------------------------
     def source(self, stage: str) -> str:
@@ -184,7 +186,7 @@ class Distill(Objective):
             loss, metrics = generalized_jsd_loss(student, teacher, beta=hp.beta)
         else:
             ids, logps = self.teacher.top_logprobs(part["input_ids"], part["labels"])  # (N, K)
-            if ids.numel() and int(ids.max()) >= student.size(-1):
+            if ids.numel() and int(ids.max()) >= student.size(-1):  # ids are >= 0: parsed from "token_id:<digits>"
                 raise TeacherError(f"the teacher server at {hp.teacher_url} named token id {int(ids.max())}, past the "
                                    f"student's {student.size(-1)} ids: teacher and student must share a tokenizer")
             loss, metrics = topk_generalized_jsd_loss(student, ids, logps, beta=hp.beta)

@@ -102,3 +102,18 @@ def log_held_out_rewards(module: Any, stage: str, names: Sequence[str], per_func
     module.log(f"{stage}/reward", float(total.mean()), on_epoch=True, batch_size=n, prog_bar=True)
     for j, name in enumerate(names):
         module.log(f"{stage}/rewards/{name}/mean", float(per_func[:, j].nanmean()), on_epoch=True, batch_size=n)
+
+
+def longest_prompted_sequence(datamodule: Any, option: str, completion: int) -> tuple[str, int]:
+    """The config fields that bound the longest sequence (a prompt of the data module's max_prompt_len tokens and
+    a completion of `completion` tokens, the objective's `option`), and its length."""
+    prompt = getattr(datamodule, "hparams", {}).get("max_prompt_len")
+    if prompt is None:
+        return f"model.init_args.{option}", completion
+    return f"data.init_args.max_prompt_len + model.init_args.{option}", int(prompt) + completion
+
+
+def keep_frozen(reference: torch.nn.Module | None) -> None:
+    """The frozen reference back in eval mode after `LightningModule.train()` put every child in training mode."""
+    if reference is not None:
+        reference.eval()

@@ -15,7 +15,9 @@ from .on_policy import (
     check_whole_model,
     completion_rewards,
     held_out_rewards,
+    keep_frozen,
     log_held_out_rewards,
+    longest_prompted_sequence,
     policy_engine,
     reference_logps,
     require_prompts,
@@ -102,8 +104,7 @@ class RLOO(Objective):
 
     def train(self, mode: bool = True):
         super().train(mode)
-        if self.ref_model is not None:
-            self.ref_model.eval()
+        keep_frozen(self.ref_model)
         return self
 
     def configure_model(self) -> None:
@@ -111,11 +112,7 @@ class RLOO(Objective):
         super().configure_model()
 
     def longest_sequence(self, datamodule: Any) -> tuple[str, int] | None:
-        prompt = getattr(datamodule, "hparams", {}).get("max_prompt_len")
-        n = self.hparams.max_completion_length
-        if prompt is None:
-            return "model.init_args.max_completion_length", n
-        return "data.init_args.max_prompt_len + model.init_args.max_completion_length", int(prompt) + n
+        return longest_prompted_sequence(datamodule, "max_completion_length", self.hparams.max_completion_length)
 
     def engine(self, prompt_ids: list[list[int]], group_size: int):
         hp = self.hparams

@@ -5,6 +5,7 @@ log-probabilities of each token of a sequence (`/v1/completions` with `echo`, `l
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -55,8 +56,10 @@ class ServerTeacher:
 
     def __init__(self, url: str, model: str | None, top_k: int, api_key_env: str | None = None,
                  timeout: float = 60.0, client: Any = None):
-        import httpx
-
+        try:
+            import httpx
+        except ImportError as err:
+            raise ConfigError("Distill.teacher_url needs the httpx package: pip install 'astrai-pl[serve]'") from err
         self.url, self.model, self.top_k = url.rstrip("/"), model, top_k
         headers = {}
         if api_key_env is not None:
@@ -83,7 +86,7 @@ class ServerTeacher:
                                f"{response.text[:300]}")
         try:
             tops = response.json()["choices"][0]["logprobs"]["top_logprobs"]
-            return [None if top is None else {_token_id(name): float(lp) for name, lp in top.items()}
+            return [None if top is None else {_token_id(name): _logprob(lp) for name, lp in top.items()}
                     for top in tops[: len(ids)]]
         except (KeyError, IndexError, TypeError, ValueError) as err:
             raise TeacherError(f"the teacher server at {self.url} returned no echoed top logprobs by token id "
@@ -115,6 +118,14 @@ class ServerTeacher:
 
 
 def _token_id(name: str) -> int:
-    if not name.startswith("token_id:"):
+    if not name.startswith("token_id:") or not name[len("token_id:"):].isdigit():
         raise ValueError(f"a token named {name!r}, not 'token_id:<id>'")
     return int(name[len("token_id:"):])
+
+
+def _logprob(value: Any) -> float:
+    """A log-probability as a float <= 0 (a NaN or a positive one from a server would poison the loss)."""
+    lp = float(value)
+    if not (lp <= 0.0 and math.isfinite(lp)):
+        raise ValueError(f"a log-probability of {value!r}")
+    return lp

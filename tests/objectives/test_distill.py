@@ -118,7 +118,7 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path):
     arch = dataclasses.replace(ModelConfig.from_name("debug"), vocab_size=400)
     Transformer(arch).save_pretrained(tmp_path, tokenizer=TOKENIZER)
     with pytest.raises(ConfigError, match="vocab_size=400"):
-        Distill(arch=ModelConfig.from_name("debug"), tokenizer=TOKENIZER, teacher_model=str(tmp_path)).teacher
+        _ = Distill(arch=ModelConfig.from_name("debug"), tokenizer=TOKENIZER, teacher_model=str(tmp_path)).teacher
 
 
 def test_the_accuracy_comparison_dry_runs(capsys):

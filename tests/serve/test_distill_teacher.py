@@ -73,3 +73,24 @@ def test_an_unreachable_teacher_server_is_named_in_the_error(tokenizer):
     teacher = ServerTeacher("http://127.0.0.1:9", MODEL, K, timeout=2.0)  # the discard port: nothing listens
     with pytest.raises(TeacherError, match="127.0.0.1:9"):
         teacher.top_logprobs(input_ids, labels)
+
+
+class Answering:
+    """An httpx.Client stand-in whose every POST answers `body` (a server that misbehaves)."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def post(self, url, json):
+        import httpx
+
+        return httpx.Response(200, json=self.body, request=httpx.Request("POST", url))
+
+
+@pytest.mark.parametrize("top", [{"token_id:5": float("nan")}, {"token_id:5": 0.5}, {"x": -1.0}, {"token_id:-3": -1.0}])
+def test_a_server_answering_bad_log_probabilities_is_refused(tokenizer, top):
+    input_ids, labels = sequences(tokenizer)
+    body = {"choices": [{"logprobs": {"top_logprobs": [None] + [top] * input_ids.shape[1]}}]}
+    teacher = ServerTeacher("http://teacher", MODEL, K, client=Answering(body))
+    with pytest.raises(TeacherError, match="http://teacher"):
+        teacher.top_logprobs(input_ids, labels)
