@@ -1,9 +1,13 @@
 """RLOO and Online DPO: rollouts on the live policy, their advantages and pairs, exact accumulation, a few
 training steps on the debug preset, and their option errors."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from fit_runs import quiet_trainer
+
+from astrai_pl.cli import lightning_main
 
 from astrai_pl.data import Arithmetic, GRPOData
 from astrai_pl.data.synthetic import problems
@@ -129,6 +133,22 @@ def test_online_dpo_trains_a_few_steps_on_the_debug_preset(tmp_path):
     quiet_trainer(devices=1, fast_dev_run=2, accumulate_grad_batches=2).fit(module, datamodule=data(tmp_path))
     assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(before, module.ref_model.parameters()))
+
+
+@pytest.mark.slow  # a data module and a Trainer from the shipped config: ~10 s
+@pytest.mark.parametrize("config", ["rloo/debug.yaml", "online_dpo/debug.yaml"])
+def test_the_shipped_debug_config_trains(tmp_path, config):
+    """The config as shipped, on fewer rows, for 2 optimizer steps (4 micro-batches)."""
+    path = Path(__file__).resolve().parents[2] / "configs" / config
+    cli = lightning_main(["--config", str(path), "--trainer.logger", "false", "--trainer.callbacks", "[]",
+                          "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+                          "--trainer.limit_val_batches", "0", "--trainer.max_steps", "2",
+                          "--trainer.default_root_dir", str(tmp_path), "--data.init_args.cache_dir", str(tmp_path),
+                          "--data.init_args.synthetic.train_rows", "64"], run=False)
+    before = [p.detach().clone() for p in cli.model.model.parameters()]
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, cli.model.model.parameters()))
 
 
 @pytest.mark.parametrize("cls, field, value, message", [
