@@ -8,7 +8,6 @@ import torch
 from fit_runs import quiet_trainer
 
 from astrai_pl.cli import lightning_main
-
 from astrai_pl.data import Arithmetic, GRPOData
 from astrai_pl.data.synthetic import problems
 from astrai_pl.model import ConfigError, ModelConfig
