@@ -40,7 +40,7 @@ from .data import DPOData, GRPOData, KTOData, PretrainData, SFTData
 from .data.preprocess import Section
 from .data.sources import Arithmetic
 from .model import LoraConfig, ModelConfig
-from .objectives import DPO, GRPO, KTO, ORPO, SFT, Pretrain, RewardModel, SimPO
+from .objectives import DPO, GRPO, KTO, ORPO, RLOO, SFT, Distill, OnlineDPO, Pretrain, RewardModel, SimPO
 from .objectives.schedules import WarmupCosine, WarmupStableDecay
 from .strategy import FSDP2Strategy
 
@@ -51,7 +51,7 @@ GROUPS: list[tuple[str, str, list[type]]] = [
     ("Weights & Biases", "`wandb:` (top level)", [WandbConfig]),
     ("Run protections", "`safety:` (top level)", [SafetyConfig]),
     ("Objectives", "`model.class_path` and `model.init_args`", [Pretrain, SFT, DPO, GRPO, KTO, ORPO, SimPO,
-                                                                 RewardModel]),
+                                                                 RewardModel, OnlineDPO, RLOO, Distill]),
     ("Model shape", "`model.init_args.arch`", [ModelConfig]),
     ("LoRA adapter", "`model.init_args.lora`", [LoraConfig]),
     ("Learning-rate schedules", "`model.init_args.scheduler`", [WarmupCosine, WarmupStableDecay]),

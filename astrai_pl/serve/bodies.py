@@ -45,6 +45,7 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>", not their text
 
 
 class ChatRequest(SamplingFields):

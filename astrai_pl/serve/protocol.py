@@ -240,6 +240,7 @@ class Call:
         self.created = int(time.time())
         self.stream = bool(body.stream)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.ids_as_names = bool(getattr(body, "return_tokens_as_token_ids", False))
         if body.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' needs \"stream\": true", "stream_options")
         self.num_choices = len(prompts) * params.n
@@ -257,7 +258,9 @@ class Call:
                                   "the alternatives asked for, or split the request", "logprobs")
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """A token as logprobs name it: its text, or "token_id:<id>" when the request asked (vLLM's
+        return_tokens_as_token_ids; a byte-level token's text alone may not say which token it was)."""
+        return f"token_id:{token_id}" if self.ids_as_names else self.tokenizer.decode([token_id])
 
     def envelope(self, object: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
