@@ -102,26 +102,22 @@ def test_flex_logits_without_gradients_run_on_cpu_as_shipped():
     torch.testing.assert_close(logits, alone, atol=2e-5, rtol=1e-4)
 
 
-def test_flex_with_gradients_on_cpu_falls_back_to_the_dense_mask(caplog, monkeypatch):
+@pytest.mark.parametrize("backend,dtype,line", [
+    ("flex", torch.float32, "packed attention flex → sdpa falls back (FlexAttention has no backward on CPU)"),
+    ("varlen", torch.bfloat16, "packed attention varlen falls back (flash-attn needs CUDA, bf16/fp16 and the "
+                               "`flash` extra)"),
+])
+def test_a_forced_kernel_that_cannot_run_on_cpu_falls_back_to_the_dense_mask(backend, dtype, line, caplog,
+                                                                              monkeypatch):
     monkeypatch.setattr(packed, "_logged", set())
-    packed.override_packed_attention("flex")
+    packed.override_packed_attention(backend)
     _, ids, document_ids = packed_batch()
     with caplog.at_level(logging.INFO, logger="astrai_pl"):
-        mask = AttentionMask.build(document_ids, ids.shape[1], dtype=torch.float32)
+        for _ in range(2):  # one line, however often
+            mask = AttentionMask.build(document_ids, ids.shape[1], dtype=dtype)
     assert mask.packed is None and mask.mask is not None  # dense (B, 1, T, T)
     torch.testing.assert_close(mask.mask, dense_visibility(document_ids, None, ids.shape[1]))
-    assert [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()] == [
-        "astrai_pl: packed attention flex → sdpa falls back (FlexAttention has no backward on CPU)"]
-
-
-def test_varlen_forced_without_flash_attn_falls_back(caplog, monkeypatch):
-    monkeypatch.setattr(packed, "_logged", set())
-    packed.override_packed_attention("varlen")
-    _, ids, document_ids = packed_batch()
-    with caplog.at_level(logging.INFO, logger="astrai_pl"):
-        mask = AttentionMask.build(document_ids, ids.shape[1], dtype=torch.bfloat16)
-    assert mask.packed is None and mask.mask is not None
-    assert sum("packed attention varlen falls back" in r.getMessage() for r in caplog.records) == 1
+    assert [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()] == [f"astrai_pl: {line}"]
 
 
 def test_cpu_default_is_the_dense_mask():
