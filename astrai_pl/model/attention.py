@@ -51,16 +51,18 @@ class AttentionMask:
     @classmethod
     def build(cls, document_ids: torch.Tensor | None, seq_len: int, device: torch.device | None = None,
               branch_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
-              dtype: torch.dtype | None = None) -> AttentionMask:
+              dtype: torch.dtype | None = None, windows: set[int | None] | None = None) -> AttentionMask:
         """`branch_ids` (B, T): 0 for a row's trunk (a shared prefix), b > 0 for the tokens of branch b, each
         branch following the trunk in positions (`position_ids`, needed with branches) but not the other
         branches: a token sees the trunk before it and its own branch, causally. Packed rows without branches
         go to FlexAttention or flash-attn's varlen entry where `packed_backend` picks one (`dtype`: the dtype
-        attention computes in), and to a dense mask otherwise."""
+        attention computes in; `windows`: the sliding windows of the layers, None for full attention, whose
+        block masks are built here once), and to a dense mask otherwise."""
         if branch_ids is None and document_ids is not None:
             backend = packed_backend(document_ids.device, dtype or torch.float32, torch.is_grad_enabled())
             if backend != "sdpa":  # no check for one document per row: that would read the ids on the host
-                return cls(None, seq_len, document_ids.device, packed=PackedRows(document_ids, backend))
+                rows = PackedRows(document_ids, backend).prepare(windows if windows is not None else {None})
+                return cls(None, seq_len, document_ids.device, packed=rows)
         # One document per row is plain causal: no (B, T, T) mask, and SDPA takes its causal kernel.
         if branch_ids is None and (document_ids is None or bool((document_ids == document_ids[:, :1]).all())):
             return cls(None, seq_len, device)

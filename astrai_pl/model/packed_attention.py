@@ -94,6 +94,16 @@ class PackedRows:
     block_masks: dict[int | None, object] = field(default_factory=dict)  # flex: one per window, shared by layers
     cu_seqlens: torch.Tensor | None = None  # varlen: (D + 1,) int32 document starts in the flattened rows
 
+    def prepare(self, windows: set[int | None]) -> PackedRows:
+        """Build what the kernel reads (block masks of these windows, or cu_seqlens) before the blocks run, so
+        that compiled blocks only read them."""
+        if self.backend == "varlen":
+            self.cu_seqlens = document_starts(self.document_ids)
+        else:
+            for window in windows:
+                self.block_masks[window] = document_block_mask(self.document_ids, window)
+        return self
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None,
                scale: float | None, softcap: float | None) -> torch.Tensor:
         """Block-causal attention of q (B, Hq, T, D) over k, v (B, Hkv, T, D) → (B, Hq, T, D)."""
