@@ -38,6 +38,13 @@ BENCHES = {  # name: (script, arguments); in the order they run
     "serve": ("bench_serve.py", ["--repeats", "3", "--budget", "60"]),
     "data": ("bench_data.py", ["--size-gb", "2", "--sft-rows", "0"]),
 }
+try:  # the GPU training duel joins where a CUDA device is present (its CPU dry run is a test)
+    import torch
+
+    if torch.cuda.is_available():
+        BENCHES["gpu-train"] = ("gpu_train.py", [])
+except ImportError:
+    pass
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench-table:begin -->", "<!-- bench-table:end -->"
 

@@ -23,6 +23,7 @@ from torch import nn
 from .config import ModelConfig
 from .gemma import norm_for, softcap
 from .layers import Linear, apply_rotary, pick_rows, project
+from .packed_attention import PackedRows, packed_backend
 
 
 class KVCacheView(Protocol):
@@ -45,28 +46,36 @@ class AttentionMask:
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # built once per forward and window
     position_ids: torch.Tensor | None = None  # (B, T), where row distance is not position distance (branches)
 
+    packed: PackedRows | None = None  # documents for a kernel without a dense mask (the mask is built on demand)
+
     @classmethod
     def build(cls, document_ids: torch.Tensor | None, seq_len: int, device: torch.device | None = None,
-              branch_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> AttentionMask:
+              branch_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
+              dtype: torch.dtype | None = None, windows: set[int | None] | None = None) -> AttentionMask:
         """`branch_ids` (B, T): 0 for a row's trunk (a shared prefix), b > 0 for the tokens of branch b, each
         branch following the trunk in positions (`position_ids`, needed with branches) but not the other
-        branches: a token sees the trunk before it and its own branch, causally."""
+        branches: a token sees the trunk before it and its own branch, causally. Packed rows without branches
+        go to FlexAttention or flash-attn's varlen entry where `packed_backend` picks one (`dtype`: the dtype
+        attention computes in; `windows`: the sliding windows of the layers, None for full attention, whose
+        block masks are built here once), and to a dense mask otherwise."""
+        if branch_ids is None and document_ids is not None:
+            backend = packed_backend(document_ids.device, dtype or torch.float32, torch.is_grad_enabled())
+            if backend != "sdpa":  # no check for one document per row: that would read the ids on the host
+                rows = PackedRows(document_ids, backend).prepare(windows if windows is not None else {None})
+                return cls(None, seq_len, document_ids.device, packed=rows)
         # One document per row is plain causal: no (B, T, T) mask, and SDPA takes its causal kernel.
         if branch_ids is None and (document_ids is None or bool((document_ids == document_ids[:, :1]).all())):
             return cls(None, seq_len, device)
         ids = branch_ids if branch_ids is not None else document_ids
-        visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=ids.device).tril()
-        if document_ids is not None:
-            visible = visible & (document_ids[:, :, None] == document_ids[:, None, :])  # (B, T, T)
-        if branch_ids is not None:
-            keys = branch_ids[:, None, :]
-            visible = visible & ((keys == 0) | (keys == branch_ids[:, :, None]))
-        return cls(visible.unsqueeze(1), seq_len, ids.device, position_ids=None if branch_ids is None else position_ids)
+        visible = dense_visibility(document_ids, branch_ids, seq_len)
+        return cls(visible, seq_len, ids.device, position_ids=None if branch_ids is None else position_ids)
 
     def for_window(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer seeing the last `window` tokens (None: the whole context); None means causal.
         Within a packed row the documents are contiguous, so row distance is position distance; across the
         branches of a tree it is not, and the positions decide."""
+        if self.mask is None and self.packed is not None:  # a caller the packed kernel does not serve
+            self.mask = dense_visibility(self.packed.document_ids, None, self.seq_len)
         if window is None or window >= self.seq_len:
             return self.mask
         if window not in self.windowed:
@@ -78,6 +87,19 @@ class AttentionMask:
                 near = (i[:, None] - i[None, :] < window) & (i[:, None] >= i[None, :])  # (T, T) causal band
                 self.windowed[window] = near if self.mask is None else self.mask & near
         return self.windowed[window]
+
+
+def dense_visibility(document_ids: torch.Tensor | None, branch_ids: torch.Tensor | None,
+                     seq_len: int) -> torch.Tensor:
+    """(B, 1, T, T) bool, True = may attend: causal, within a document, and within a branch or its trunk."""
+    ids = branch_ids if branch_ids is not None else document_ids
+    visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=ids.device).tril()
+    if document_ids is not None:
+        visible = visible & (document_ids[:, :, None] == document_ids[:, None, :])  # (B, T, T)
+    if branch_ids is not None:
+        keys = branch_ids[:, None, :]
+        visible = visible & ((keys == 0) | (keys == branch_ids[:, :, None]))
+    return visible.unsqueeze(1)
 
 
 def query_rows_mask(mask: torch.Tensor | None, rows: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -185,6 +207,10 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, *q_rope), apply_rotary(k, *rope)
         if cache is not None:  # (B, T, H, D)
             out = cache.attend(self.layer_idx, q, k, v, window=self.window, scale=self.scale, softcap=self.softcap)
+        elif mask.packed is not None and queries is None:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            out = mask.packed.attend(q, k, v, window=self.window, scale=self.scale, softcap=self.softcap)
+            out = out.transpose(1, 2)
         else:
             attn_mask = mask.for_window(self.window)
             if queries is not None:

@@ -141,7 +141,9 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         rope = self.rotary(position_ids, x.dtype, document_ids, sequence_lengths)
         local = rope if self.rotary_local is None else self.rotary_local(position_ids, x.dtype)
-        mask = AttentionMask.build(document_ids, T, x.device, branch_ids, position_ids)
+        compute = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        windows = {self.config.layer_window(i) for i in range(len(self.layers))}
+        mask = AttentionMask.build(document_ids, T, x.device, branch_ids, position_ids, dtype=compute, windows=windows)
         aux, last = [], len(self.layers) - 1
         queries = output_rows if cache is None else None  # the last block computes the wanted rows only
         for i, block in enumerate(self.layers):

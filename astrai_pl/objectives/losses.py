@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..ops import lm_head_loss
 from .logprobs import IGNORE_INDEX, logprobs_from_logits, scored_rows, sequence_logprobs, token_logprobs
 from .options import (
     check_advantage_options,
@@ -70,81 +71,6 @@ def cross_entropy(
     return loss, {"nll": nll / tokens.clamp(min=1), "tokens": tokens}
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """Summed (smoothed) cross-entropy of `hidden @ weightᵀ`, chunk by chunk, with its gradient.
-
-    The loss is a sum, so its gradient with respect to the logits of a row is known in the forward
-    pass: softmax − (1 − ε)·onehot(target) − ε/V. Each chunk's logits become that gradient in place
-    and are spent at once on the two matmuls of the backward pass (into the hidden rows and into the
-    weight), so no (N, V) tensor is ever alive and nothing is recomputed; `backward` only scales the
-    stored gradients by the incoming one.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, label_smoothing: float, chunk_size: int, need_grad: bool,
-                matmul_dtype: torch.dtype | None):
-        # Matmuls in `matmul_dtype` (autocast's, or the inputs'); softmax, sums and gradients in `acc`,
-        # so the returned gradients need no cast back to the float32 parameters. Under fp16 autocast the
-        # two gradient matmuls stay in float32: without the GradScaler's factor (applied only in
-        # backward) the small softmax entries would underflow in fp16.
-        acc = torch.promote_types(hidden.dtype, torch.float32)
-        low = matmul_dtype or hidden.dtype
-        grad_low = acc if low == torch.float16 else low
-        hidden_low, weight_low = hidden.to(low), weight.to(low)
-        hidden_g, weight_g = (hidden_low, weight_low) if grad_low == low else (hidden.to(grad_low), weight.to(grad_low))
-        want_hidden = need_grad and ctx.needs_input_grad[0]
-        want_weight = need_grad and ctx.needs_input_grad[1]
-        eps, vocab = label_smoothing, weight.shape[0]
-        loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
-        nll_sum = torch.zeros((), dtype=acc, device=hidden.device)
-        grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if want_hidden else None
-        grad_weight = None
-        for start in range(0, hidden.shape[0], chunk_size):
-            h, t = hidden_low[start:start + chunk_size], targets[start:start + chunk_size, None]
-            logp = torch.log_softmax((h @ weight_low.t()).to(acc), dim=-1)  # (C, V)
-            nll = -logp.gather(1, t).sum()
-            nll_sum += nll
-            loss_sum += (1 - eps) * nll - eps * logp.mean(-1).sum() if eps else nll
-            if not (want_hidden or want_weight):
-                continue
-            grad = logp.exp_()  # softmax, in place
-            grad.scatter_add_(1, t, grad.new_full(t.shape, eps - 1.0))
-            if eps:
-                grad.sub_(eps / vocab)
-            grad = grad.to(grad_low)
-            if want_hidden:
-                grad_hidden[start:start + chunk_size] = grad @ weight_g
-            if want_weight:
-                h = hidden_g[start:start + chunk_size]
-                if grad_weight is None:  # the first chunk's product is the accumulator: no zero-filled (V, H)
-                    grad_weight = (grad.t() @ h).to(acc)
-                elif grad_low == acc:
-                    grad_weight.addmm_(grad.t(), h)
-                else:
-                    grad_weight += grad.t() @ h
-        ctx.mark_non_differentiable(nll_sum)
-        ctx.dtypes, ctx.spent = (hidden.dtype, weight.dtype), False
-        if want_weight and grad_weight is None:  # no trained token
-            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss_sum, nll_sum
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_nll):
-        # The stored gradients are scaled in place (no second (V, H) tensor), so they serve one backward.
-        if ctx.spent:
-            raise RuntimeError("linear_cross_entropy's gradient was already used by a backward pass; "
-                               "backward through it twice (retain_graph=True) is not supported")
-        ctx.spent = True
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.mul_(grad_loss).to(ctx.dtypes[0])
-        if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_loss).to(ctx.dtypes[1])
-        return grad_hidden, grad_weight, None, None, None, None, None
-
-
 def linear_cross_entropy(
     hidden: torch.Tensor,  # (B, T, H), the final normed hidden states
     weight: torch.Tensor,  # (V, H), the lm_head
@@ -152,30 +78,37 @@ def linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     label_smoothing: float = 0.0,
     normalizer: torch.Tensor | float | None = None,
-    chunk_size: int = 256,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`cross_entropy(hidden @ weightᵀ, labels, …)` without ever building the (B, T, V) logits.
 
     Same loss, gradients and metrics as `cross_entropy` on the lm_head's output (up to summation
-    order). Only the trained positions reach the lm_head, `chunk_size` rows at a time; each chunk's
-    log-softmax is turned into its logit gradient at once (see `_LinearCrossEntropy`), so the step
-    holds one (chunk_size, V) block (two or three briefly: the logits, their float32 log-softmax)
-    instead of the logits, their log-softmax and their gradient (three float32 (B, T, V) tensors, which
-    at a 150k vocabulary are the largest of a step); from forward to backward it keeps the gradients of
-    the trained rows (N, H) and of the weight (V, H), in float32. An input that does not require grad
-    gets no gradient work. Under
+    order). Only the trained positions reach the lm_head, `chunk_size` rows at a time (None: the
+    device's size, `ops.lm_head_loss.chunk_rows`); each chunk's log-softmax is turned into its logit
+    gradient at once (see `ops.lm_head_loss.LinearCrossEntropy`), so the step holds one (chunk_size, V)
+    block (two or three briefly: the logits, their float32 log-softmax) instead of the logits, their
+    log-softmax and their gradient (three float32 (B, T, V) tensors, which at a 150k vocabulary are the
+    largest of a step); from forward to backward it keeps the gradients of the trained rows (N, H) and of
+    the weight (V, H), in float32. An input that does not require grad gets no gradient work. Under
     autocast the three matmuls run in the autocast dtype, as the lm_head's would; the softmax, the
-    sums and the accumulated weight gradient stay in float32.
+    sums and the accumulated weight gradient stay in float32. On CUDA, Liger-Kernel's fused kernel runs
+    instead where `ops.lm_head_loss.override_lm_head_loss("liger")` asks for it.
     """
-    if chunk_size < 1:
+    if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
     rows, targets, _ = scored_rows(hidden, labels, ignore_index)  # (N, H), (N,): trained positions only
     tokens = torch.tensor(len(targets), device=labels.device)
     device = hidden.device.type
     low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     need_grad = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+    chunk_size = chunk_size or lm_head_loss.chunk_rows(hidden.device, weight.shape[0])
     with torch.autocast(device, enabled=False):
-        summed, nll = _LinearCrossEntropy.apply(rows, weight, targets, label_smoothing, chunk_size, need_grad, low)
+        if lm_head_loss.loss_kernel(hidden.device, label_smoothing) == "liger":
+            summed = lm_head_loss.liger_cross_entropy_sum(rows, weight, targets, low)
+            nll = summed.detach()
+        else:
+            summed, nll = lm_head_loss.LinearCrossEntropy.apply(rows, weight, targets, label_smoothing,
+                                                                chunk_size, need_grad, low)
     denom = tokens.clamp(min=1) if normalizer is None else normalizer
     return summed / denom, {"nll": nll / tokens.clamp(min=1), "tokens": tokens}
 
