@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..atomic import partial_path, remove_path, replace_path
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .hf import _check_finite, _open, _read_json, save_tokenizer
 from .hf_config import CheckpointError, CheckpointNotFoundError, ExportError, NonFiniteWeightError
 from .hf_keys import hf_name
@@ -154,7 +154,10 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     if not file.is_file():
         raise CheckpointNotFoundError(f"{file} does not exist. Fix: pass a PEFT adapter directory (it holds "
                                       f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}; .bin adapters are not read).")
-    apply_lora(model, lora)
+    try:
+        apply_lora(model, lora)
+    except ConfigError as err:  # it names the field (r, target_modules); say which file it came from
+        raise CheckpointError(f"{Path(path) / ADAPTER_CONFIG}: {err}") from None
     if fused_targets(model):
         raise CheckpointError(f"{Path(path) / ADAPTER_CONFIG}: target_modules adapt fused layers: "
                               f"{_fused_advice(model)}, and the adapter's matrices would have to be split. Fix: "
