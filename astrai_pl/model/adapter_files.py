@@ -111,7 +111,7 @@ def save_adapter(model: nn.Module, path: str | Path, tokenizer: Any = None,
         if tokenizer is not None:
             save_tokenizer(tokenizer, work)
         writes = {p.name for p in work.iterdir()} | {ADAPTER_WEIGHTS, ADAPTER_CONFIG}
-        left_out = check_overwrite(target, writes, set(), overwrite)
+        left_out = check_overwrite(target, writes, overwrite)
         save_file(state, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         if target.is_dir():
             _carry_over(target, work, left_out | writes)

@@ -7,7 +7,7 @@ a file it would not overwrite is carried into the new export as it is, whatever 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 MANIFEST = ".astrai-pl-export.json"
@@ -45,15 +45,18 @@ def written_by_export(folder: Path) -> set[str]:
     return ours
 
 
-def check_overwrite(target: Path, writes: set[str], stale: set[str], overwrite: bool) -> set[str]:
-    """The names of `target` the new export leaves out: the files a previous export wrote that it does not write
-    again, and, with `overwrite`, `stale` ones (standard names that would contradict it, e.g. a model.safetensors
-    beside a new sharded index). ExportConflictError, before anything is written, when `target` holds a file
-    named in `writes` or `stale` that no export wrote, unless `overwrite`."""
+def check_overwrite(target: Path, writes: set[str], overwrite: bool, standard: Iterable[str] = (),
+                    stale: Callable[[str], bool] = lambda name: False) -> set[str]:
+    """The names of `target` the new export leaves out, given the names it `writes`: the `standard` ones it
+    does not write (names a loader reads, e.g. a model.safetensors beside a new sharded index) and those `stale`
+    says would contradict it (e.g. an older export's shards), when an export wrote them, or with `overwrite`
+    for `standard` ones. Every other file is kept. ExportConflictError, before anything is written, when
+    `target` holds a file named in `writes` or `standard` that no export wrote, unless `overwrite`."""
     if not target.is_dir():
         return set()
     ours, present = written_by_export(target), {entry.name for entry in target.iterdir()}
-    foreign = sorted((present & (writes | stale)) - ours)
+    standard = (present & set(standard)) - writes
+    foreign = sorted(((present & writes) | standard) - ours)
     if foreign and not overwrite:
         listed = ", ".join(foreign[:_MAX_LISTED]) + (f" and {len(foreign) - _MAX_LISTED} more" if
                                                      len(foreign) > _MAX_LISTED else "")
@@ -61,4 +64,5 @@ def check_overwrite(target: Path, writes: set[str], stale: set[str], overwrite: 
             f"{target}: holds {listed}, which this export would overwrite and which no export wrote; nothing was "
             "written. Fix: pass overwrite=True (astrai-pl convert --overwrite) to replace them (other files of the "
             "folder are kept), or export into an empty or new folder.")
-    return (ours - writes) | {MANIFEST} | (present & stale if overwrite else set())
+    outdated = {name for name in present - writes if stale(name)} | standard
+    return {MANIFEST} | (outdated & ours) | (standard if overwrite else set())

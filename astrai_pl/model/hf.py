@@ -300,6 +300,10 @@ def _write_weights(folder: Path, shards: list[list[tuple[str, torch.Tensor]]], n
         _write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
+def _is_weight_file(name: str) -> bool:
+    return name == INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors"))
+
+
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)
@@ -375,7 +379,7 @@ def _write_files(work: Path, target: Path, tensors: list[tuple[str, torch.Tensor
     shards = _shard(tensors, max_shard_size)
     weights = _weight_names(len(shards))
     writes = {p.name for p in work.iterdir()} | set(weights) | {"config.json"} | ({INDEX_FILE} if len(shards) > 1 else set())
-    left_out = check_overwrite(target, writes, {SINGLE_FILE, INDEX_FILE} - writes, overwrite)
+    left_out = check_overwrite(target, writes, overwrite, {SINGLE_FILE, INDEX_FILE}, _is_weight_file)
     _write_weights(work, shards, weights)
     if target.is_dir():
         _carry_over(target, work, left_out | writes)
