@@ -44,8 +44,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..atomic import interrupted_copy, partial_path, recover_interrupted_replace, remove_path, replace_path
-from .export_manifest import check_overwrite, write_manifest
 from .config import ModelConfig
+from .export_manifest import check_overwrite, write_manifest
 from .hf_config import (
     CheckpointError,
     CheckpointNotFoundError,
