@@ -382,9 +382,10 @@ class Tokenizer:
             )
         if len(messages) == 0:
             raise TokenizerError("apply_chat_template got an empty conversation; pass at least one message")
+        templated = [_template_message(m) for m in messages]
         try:
             text = compile_chat_template(self.chat_template).render(
-                messages=[_template_message(m) for m in messages],
+                messages=templated,
                 add_generation_prompt=add_generation_prompt,
                 **{"tools": None, "documents": None, **self.special_tokens, **kwargs},
             )
