@@ -254,7 +254,7 @@ def run_generate(ns: argparse.Namespace, stdout: IO[str] | None = None) -> None:
         try:
             ids = prompt_ids({"prompt": ns.prompt}, tokenizer, templated, ns.add_special_tokens)
         except jinja2.TemplateError as err:
-            raise CommandError(f"--prompt: the chat template failed: {err}") from None
+            raise CommandError(f"--prompt: {err}") from None
         if not ids:
             raise CommandError("--prompt is empty; give it some text")
         if ns.output is not None:

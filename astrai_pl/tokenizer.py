@@ -91,8 +91,15 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+_TOJSON_OPTIONS = ("indent", "separators", "sort_keys")
+
+
 def _tojson(value: Any, ensure_ascii: bool = False, **options: Any) -> str:
-    """Plain json.dumps (indent, separators, sort_keys): jinja's own filter HTML-escapes characters."""
+    """Plain json.dumps (indent, separators, sort_keys): jinja's own filter HTML-escapes characters. Other
+    options (`cls=`, `default=`) would hand json.dumps a callable from the template: refused."""
+    if unknown := sorted(set(options) - set(_TOJSON_OPTIONS)):
+        raise jinja2.exceptions.TemplateError(f"tojson takes only {', '.join(_TOJSON_OPTIONS)} and ensure_ascii, "
+                                              f"not {unknown[0]}")
     return json.dumps(value, ensure_ascii=ensure_ascii, **options)
 
 
@@ -231,6 +238,7 @@ class Tokenizer:
         if missing:  # transformers appends named special tokens absent from the vocabulary; so do we
             backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
         self.chat_template = chat_template
+        self._template_file: tuple[str, str | None] | None = None  # (file read from, template read), for errors
         self.model_max_length = model_max_length
 
     @classmethod
@@ -256,9 +264,13 @@ class Tokenizer:
             raise TokenizerError(f"{folder / 'tokenizer_config.json'}: model_max_length is {max_length!r}; give a "
                                  "positive number of tokens, or remove the key")
         max_length = int(min(max_length, UNBOUNDED_LENGTH))
-        return cls(
+        tokenizer = cls(
             backend, _read_special_tokens(folder, config), _read_chat_template(folder, config), max_length
         )
+        jinja = folder / "chat_template.jinja"
+        tokenizer._template_file = (str(jinja if jinja.is_file() else folder / "tokenizer_config.json"),
+                                    tokenizer.chat_template)
+        return tokenizer
 
     @classmethod
     def byte_level(cls) -> Tokenizer:
@@ -370,19 +382,26 @@ class Tokenizer:
             )
         if len(messages) == 0:
             raise TokenizerError("apply_chat_template got an empty conversation; pass at least one message")
+        templated = [_template_message(m) for m in messages]
         try:
             text = compile_chat_template(self.chat_template).render(
-                messages=[_template_message(m) for m in messages],
+                messages=templated,
                 add_generation_prompt=add_generation_prompt,
                 **{"tools": None, "documents": None, **self.special_tokens, **kwargs},
             )
-        except jinja2.TemplateError as err:
-            why = f"{type(err).__name__}: {str(err).rstrip('.')}"
-            raise ChatTemplateError(
-                f"the chat template failed: {why}; fix the template (tokenizer_config.json 'chat_template' or "
-                "chat_template.jinja): it runs sandboxed and may only format the messages"
-            ) from None
+        except Exception as err:  # noqa: BLE001 - a template error, or any exception a filter or test raised
+            raise self._template_error(err) from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _template_error(self, err: Exception) -> ChatTemplateError:
+        """One line naming the template (its file when read from one) and what went wrong in it."""
+        why = f"{type(err).__name__}: {str(err).rstrip('.')[:300]}"
+        where = "tokenizer_config.json 'chat_template' or chat_template.jinja"  # set after loading, or built in
+        if self._template_file is not None and self._template_file[1] == self.chat_template:
+            file = self._template_file[0]
+            where = file if file.endswith(".jinja") else f"{file} 'chat_template'"
+        return ChatTemplateError(f"the chat template failed: {why}; fix the template ({where}): it runs sandboxed "
+                                 "and may only format the messages")
 
     def _template_writes_bos(self) -> bool:
         """Whether the chat template's text starts with the BOS token (True when no probe conversation renders:

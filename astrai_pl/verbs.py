@@ -152,7 +152,11 @@ def convert_verb(argv: list[str]) -> None:
                     "PEFT adapter directory, or with --merge-lora as a Hugging Face directory with the adapter "
                     "folded into its weights.")
     parser.add_argument("--ckpt", required=True, help="a .ckpt written by astrai-pl fit, or a Hugging Face dir")
-    parser.add_argument("--output", required=True)
+    parser.add_argument("--output", required=True,
+                        help="the folder to write; in an existing one, files it does not write are kept")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace files of --output that this export writes (config.json, weights, tokenizer) "
+                             "even though no export wrote them")
     parser.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer directory to write alongside")
     parser.add_argument("--adapter", default=None,
                         help="a PEFT LoRA adapter directory (written here or by PEFT) to put on --ckpt")
@@ -172,8 +176,9 @@ def convert_verb(argv: list[str]) -> None:
         if ns.merge_lora:
             merge_lora(model)
         adapter_only = model.lora_config is not None
-        model.save_pretrained(ns.output, tokenizer=load_tokenizer(ns.tokenizer) if ns.tokenizer else None)
-    except USER_ERRORS as err:  # the message names the file and the fix
+        model.save_pretrained(ns.output, tokenizer=load_tokenizer(ns.tokenizer) if ns.tokenizer else None,
+                              overwrite=ns.overwrite)
+    except (*USER_ERRORS, FileExistsError) as err:  # the message names the file and the fix
         raise SystemExit(f"astrai-pl convert: {err}") from None
     print(f"wrote {ns.output} ({'a PEFT adapter directory' if adapter_only else 'a Hugging Face model directory'})")
 

@@ -91,6 +91,6 @@ def test_chat_whose_template_fails_on_a_later_turn_exits_with_one_line(tmp_path)
         chat_verb(["--model", str(tmp_path), "--max-tokens", "2", "--temperature", "0"],
                   stdin=io.StringIO("hello\nagain\n"), stdout=stdout)
     assert str(exit_.value.code) == ("astrai-pl chat: the chat template failed: TemplateError: no replies; fix the "
-                                     "template (tokenizer_config.json 'chat_template' or chat_template.jinja): it "
+                                     f"template ({tmp_path / 'tokenizer_config.json'} 'chat_template'): it "
                                      "runs sandboxed and may only format the messages")
     assert stdout.getvalue().count("\n") == 1  # the first answer was printed

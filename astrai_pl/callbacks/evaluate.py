@@ -23,6 +23,7 @@ import torch
 
 from ..evaluation import AstraiLM, evaluate
 from ..evaluation.lm import widen_steps
+from ..evaluation.tasks import check_task_folders
 from ..inference import Engine
 
 SAMPLE_COLUMNS = ["step", "task", "doc_id", "prompt", "response", "target"]
@@ -72,7 +73,9 @@ class Evaluate(L.Callback):
         limit: Documents per task (a share when below 1); None evaluates every document.
         num_fewshot: Few-shot examples per prompt; None keeps each task's own.
         apply_chat_template: Render prompts with the tokenizer's chat template (as SFT/DPO/GRPO data are).
-        include_path: Folders of lm-eval task YAML files.
+        include_path: Folders of lm-eval task YAML files (code: they need `trust_task_code`).
+        trust_task_code: Read `include_path`: lm-eval renders their templates unsandboxed and imports their
+            `!function` tags, so only folders you trust.
         max_total_tokens: KV pool of the evaluation's engine, in tokens (freed after each evaluation).
         log_samples: Also log a table of the evaluated samples to loggers that take tables (W&B's).
         prefix: Start of every metric's name.
@@ -81,7 +84,7 @@ class Evaluate(L.Callback):
     def __init__(self, tasks: list[str], every_n_steps: int | None = None, limit: int | float | None = 100,
                  num_fewshot: int | None = None, apply_chat_template: bool = False,
                  include_path: list[str] | None = None, max_total_tokens: int = 16384, log_samples: bool = True,
-                 prefix: str = "eval"):
+                 prefix: str = "eval", trust_task_code: bool = False):
         if not tasks or not all(isinstance(t, str) and t for t in tasks):
             raise ValueError(f"Evaluate.tasks={tasks!r}: name at least one task, e.g. [astrai_arithmetic]")
         if every_n_steps is not None and every_n_steps < 1:
@@ -91,6 +94,8 @@ class Evaluate(L.Callback):
             raise ValueError(f"Evaluate.limit={limit}: give a number of documents, a share in (0, 1), or null")
         self.tasks, self.every_n_steps, self.limit, self.num_fewshot = list(tasks), every_n_steps, limit, num_fewshot
         self.apply_chat_template, self.include_path = apply_chat_template, list(include_path or [])
+        check_task_folders(self.include_path, trust_task_code)
+        self.trust_task_code = trust_task_code
         self.max_total_tokens, self.log_samples, self.prefix = max_total_tokens, log_samples, prefix
         self.history: list[dict[str, float]] = []  # rank 0: the metrics of each evaluation, with "step"
         self._step_seen = -1
@@ -135,7 +140,7 @@ class Evaluate(L.Callback):
             lm = AstraiLM(engine, tokenizer, name=type(pl_module).__name__)
             return evaluate(lm, self.tasks, include_path=self.include_path, num_fewshot=self.num_fewshot,
                             limit=self.limit, apply_chat_template=self.apply_chat_template,
-                            log_samples=self.log_samples)
+                            log_samples=self.log_samples, trust_task_code=self.trust_task_code)
         finally:
             model.train(was_training)
 

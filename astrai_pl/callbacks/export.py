@@ -39,7 +39,7 @@ def export_pretrained(
     if getattr(model, "lora_config", None) is not None:
         apply_lora(plain, model.lora_config)
     plain.load_state_dict(state)
-    plain.save_pretrained(path, tokenizer=tokenizer)
+    plain.save_pretrained(path, tokenizer=tokenizer, overwrite=True)  # the callback's own step-N and final
 
 
 class HFExport(L.Callback):

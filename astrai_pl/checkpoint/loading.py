@@ -3,6 +3,7 @@ file or a sharded checkpoint folder, checked against the model they are loaded i
 
 from __future__ import annotations
 
+import contextvars
 import math
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from ..model import LoraConfig, ModelConfig, Transformer
+from ..model.config import ConfigError
 from ..model.hf import CheckpointError, NonFiniteWeightError, export_dir, nonfinite_tensors
 from ..model.lora import apply_lora, merge_lora
 from ..model.nf4 import quantize_base
@@ -54,7 +56,7 @@ def load_transformer(arch: ModelConfig | dict | None, init_from: str | None, qua
             quantize_base(model)  # its state dict holds the NF4 base's inner tensors
         lora = (ckpt.get("hyper_parameters") or {}).get("lora")
         if isinstance(lora, dict):  # a LoRA run on a fresh model: the checkpoint holds base and adapter
-            apply_lora(model, LoraConfig(**lora))
+            add_stored_adapter(path, model, lora)
     check_weights_fit(path, model, state, base_frozen=adapter_only)
     bad = nonfinite_tensors((f"model.{k}", v) for k, v in state.items())
     if bad:
@@ -83,6 +85,17 @@ def weights_fingerprint(model: nn.Module, samples: int = 65_536) -> float:
     return total
 
 
+def add_stored_adapter(path: Path, model: Transformer, lora: dict[str, Any]) -> None:
+    """The adapter of a checkpoint's hyper_parameters.lora on `model`; CheckpointError naming the file and field."""
+    try:
+        apply_lora(model, LoraConfig(**lora))
+    except (ConfigError, TypeError) as err:
+        raise CheckpointError(f"{path}: hyper_parameters.lora: {err}") from None
+
+
+_BASES_BEING_READ: contextvars.ContextVar[tuple[Path, ...]] = contextvars.ContextVar("lora_bases", default=())
+
+
 def adapted_base(path: Path, ckpt: dict[str, Any], arch: ModelConfig | dict | None) -> Transformer:
     """The base of a LoRA run's checkpoint, read again from the init_from it records, with the run's adapter
     added (its weights still to load): the checkpoint itself holds only the adapter."""
@@ -92,13 +105,19 @@ def adapted_base(path: Path, ckpt: dict[str, Any], arch: ModelConfig | dict | No
         raise CheckpointError(f"{path}: a LoRA checkpoint without the base it was trained on (lora_base.init_from) "
                               "or its adapter settings (hyper_parameters.lora). Fix: use a checkpoint that "
                               "astrai-pl fit wrote for a LoRA run.")
-    if Path(base["init_from"]).resolve() == path.resolve():
-        raise CheckpointError(f"{path}: names itself as its base. Fix: re-save it from the run that wrote it.")
+    chain, target = (*_BASES_BEING_READ.get(), path.resolve()), Path(base["init_from"]).resolve()
+    if target in chain:  # LoRA checkpoints whose lora_base.init_from name each other: refused by path
+        cycle = " -> ".join(map(str, (*chain[chain.index(target):], target)))
+        raise CheckpointError(f"{path}: the lora_base.init_from of LoRA checkpoints lead in a circle ({cycle}), so "
+                              "none has a base to read. Fix: point init_from at the model the adapter was trained on.")
+    token = _BASES_BEING_READ.set(chain)
     try:  # a QLoRA run's base is read into NF4 again, as it was trained
         model = load_transformer(arch, base["init_from"], quantize=hparams.get("quantize"))
     except CheckpointError as err:
         raise CheckpointError(f"{path}: holds a LoRA adapter whose base is read from init_from="
                               f"{base['init_from']!r}, which failed: {err}") from err
+    finally:
+        _BASES_BEING_READ.reset(token)
     if model.lora_config is not None:  # its base was itself a LoRA run's checkpoint: merged, as the run did
         merge_lora(model)
     saved = base.get("fingerprint")
@@ -107,7 +126,7 @@ def adapted_base(path: Path, ckpt: dict[str, Any], arch: ModelConfig | dict | No
                               "adapter was trained on (their fingerprint differs). Fix: restore that base model.")
     if hparams.get("quantize") == "nf4":  # after the merge, as the run quantised it (a no-op when read as NF4)
         quantize_base(model)
-    apply_lora(model, LoraConfig(**hparams["lora"]))
+    add_stored_adapter(path, model, hparams["lora"])
     model.__dict__["adapter_extra"] = {"base_model_name_or_path": str(base["init_from"])}  # for its PEFT export
     return model
 

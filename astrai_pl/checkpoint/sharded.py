@@ -7,16 +7,15 @@ torch and pathlib types inside them, its fields are checked (shard files must be
 folder), and non-tensor entries load with `weights_only=True`. Every read goes through `VerifiedReader`.
 
 At save, `checksums.json` (size and CRC-32 of every file) is written last, so its presence also marks a
-folder as complete. A folder that has it is verified before anything is read; a folder written without
-one still loads, with a warning that its shards are not verified.
+folder as complete. It is verified before anything is read; a folder without one is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
-import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -24,12 +23,14 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorProperties,
     TensorStorageMetadata,
 )
 
@@ -51,8 +52,17 @@ _PICKLED_NAMES = {
 _CHUNK = 8 << 20
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits the names a `.metadata` file of torch.distributed.checkpoint holds, and torch dtypes."""
+_BUILDABLE = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in (
+    Metadata, TensorStorageMetadata, TensorProperties, ChunkStorageMetadata, BytesStorageMetadata, MetadataIndex,
+    StorageMeta, _StorageInfo)}
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can be checked before it runs
+    """Admits the names a `.metadata` file of torch.distributed.checkpoint holds, and torch dtypes; BUILD only
+    on instances of the metadata dataclasses, with their own fields (on a class, BUILD would set its
+    attributes for the whole process, e.g. `PosixPath.name`)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _PICKLED_NAMES:
@@ -63,6 +73,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("persistent ids have no place in checkpoint metadata")
+
+    def load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        fields = _BUILDABLE.get(type(inst))
+        if fields is None:
+            raise pickle.UnpicklingError(f"BUILD on a {type(inst).__name__} has no place in checkpoint metadata")
+        if type(inst) is not TensorProperties:  # its own __setstate__ unpacks a 5-tuple into its fields
+            parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+            for part in (p for p in parts if p is not None):
+                unknown = [k for k in part if k not in fields] if isinstance(part, dict) else [part]
+                if unknown:
+                    raise pickle.UnpicklingError(f"BUILD of {type(inst).__name__} sets {unknown[0]!r}, not one of "
+                                                 "its fields")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def _entry_problem(key: Any, entry: Any) -> str | None:
@@ -139,11 +165,15 @@ def write_checksums(folder: Path, sums: dict[str, list[int]]) -> None:
     write_atomically(folder / CHECKSUMS, lambda f: f.write(text.encode("utf-8")))
 
 
-def read_checksums(folder: Path) -> dict[str, list[int]] | None:
-    """The checksum table of `folder` (None: written without one)."""
+def read_checksums(folder: Path) -> dict[str, list[int]]:
+    """The checksum table of `folder`; CheckpointError when it has none (a folder written without it is
+    incomplete, or not one this project wrote, and its shards cannot be verified)."""
     file = folder / CHECKSUMS
     if not file.is_file():
-        return None
+        raise CheckpointError(f"{folder}: no {CHECKSUMS}, so its shards cannot be verified (every sharded "
+                              "checkpoint astrai-pl fit writes ends with one; a folder without it is incomplete, "
+                              "or was not written here). Fix: resume from another checkpoint, or load the folder "
+                              "with torch.distributed.checkpoint yourself if you trust its source.")
     try:
         table = json.loads(file.read_text(encoding="utf-8"))["files"]
         if not all(isinstance(n, str) and Path(n).name == n and isinstance(v, list) and len(v) == 2
@@ -166,12 +196,8 @@ def checksum_mismatch(folder: Path, expected: dict[str, list[int]], names: list[
     return None
 
 
-def verify_folder(folder: Path, md: Metadata, expected: dict[str, list[int]] | None) -> None:
-    """Every shard the metadata names is in the checksum table; warn when there is no table."""
-    if expected is None:
-        warnings.warn(f"{folder}: no {CHECKSUMS} (written by an older version): its shards are not verified "
-                      "against checksums", stacklevel=3)
-        return
+def verify_folder(folder: Path, md: Metadata, expected: dict[str, list[int]]) -> None:
+    """Every shard the metadata names is in the checksum table."""
     unlisted = sorted({info.relative_path for info in md.storage_data.values()} - set(expected))
     if unlisted or DCP_METADATA not in expected:
         raise CheckpointError(f"{folder}: {', '.join(unlisted) or DCP_METADATA} is not in its {CHECKSUMS}, so "
@@ -239,10 +265,9 @@ def read_sharded_weights(folder: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     expected = read_checksums(folder)
-    if expected is not None:
-        problem = checksum_mismatch(folder, expected, sorted(expected))
-        if problem:
-            raise CheckpointError(f"{problem}. Fix: resume from another checkpoint.")
+    problem = checksum_mismatch(folder, expected, sorted(expected))
+    if problem:
+        raise CheckpointError(f"{problem}. Fix: resume from another checkpoint.")
     md = read_dcp_metadata(folder)
     verify_folder(folder, md, expected)
     state: dict[str, Any] = {}

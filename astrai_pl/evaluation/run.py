@@ -1,10 +1,11 @@
 """`astrai-pl evaluate`: lm-eval tasks on a model through the engine; results in lm-eval's format.
 
     astrai-pl evaluate --model hf_dir/ --tasks astrai_arithmetic,astrai_next_sentence --output results.json
-    astrai-pl evaluate --model last.ckpt --tasks my_task --include-path my_tasks/ --limit 100 --apply-chat-template
+    astrai-pl evaluate --model last.ckpt --tasks my_task --include-path my_tasks/ --trust-task-code --limit 100 --apply-chat-template
 
 The shipped tasks (astrai_pl/eval_tasks/) are found by name; `--include-path` adds folders of lm-eval task
-YAML files. The results file is lm-eval's results dictionary (what `lm_eval --output_path` writes), written
+YAML files; they are code (lm-eval renders their templates unsandboxed), so `--trust-task-code` must say that
+you trust them. The results file is lm-eval's results dictionary (what `lm_eval --output_path` writes), written
 to a temporary file and renamed over the target, so it is complete or absent; the table is printed.
 """
 
@@ -22,18 +23,20 @@ from typing import IO, Any
 from ..atomic import write_atomically
 from ..commands import USER_ERRORS, _add_model_arguments
 from .lm import AstraiLM
-from .tasks import SHIPPED, TaskError, task_specs
+from .tasks import SHIPPED, TaskError, check_task_folders, task_specs
 
 
 def evaluate(lm: AstraiLM, tasks: Sequence[str | dict[str, Any]], *, include_path: Sequence[str | Path] = (),
              num_fewshot: int | None = None, limit: int | float | None = None, apply_chat_template: bool = False,
-             log_samples: bool = False, seed: int = 0) -> dict[str, Any]:
+             log_samples: bool = False, seed: int = 0, trust_task_code: bool = False) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` on `lm` (any lm-eval `LM`) with the shipped tasks and those of `include_path`
-    found by name; a task may also be given as a config dict (e.g. `local_copy`'s)."""
+    found by name; a task may also be given as a config dict (e.g. `local_copy`'s). A folder in `include_path`
+    that is not shipped with the package is code, refused unless `trust_task_code` (tasks.check_task_folders)."""
     from lm_eval import simple_evaluate
 
     if not tasks:
         raise TaskError("no task given; name at least one (e.g. astrai_arithmetic)")
+    check_task_folders(include_path, trust_task_code)
     specs = task_specs(tasks, include_path)
     # lm-eval's own ~15k task files take ~20 s to index: only when a name is not one of the local tasks
     manager = task_manager(tuple(map(str, include_path)), any(isinstance(s, str) for s in specs))
@@ -107,7 +110,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="comma-separated task names: shipped (astrai_arithmetic, astrai_next_sentence), "
                              "from --include-path, or lm-eval's own")
     parser.add_argument("--include-path", action="append", default=[],
-                        help="a folder of lm-eval task YAML files; repeat for several")
+                        help="a folder of lm-eval task YAML files; repeat for several (needs --trust-task-code)")
+    parser.add_argument("--trust-task-code", action="store_true",
+                        help="read --include-path folders: their task files are code (lm-eval renders their "
+                             "templates unsandboxed and imports their !function tags); only for folders you trust")
     parser.add_argument("--num-fewshot", type=int, default=None)
     parser.add_argument("--limit", type=float, default=None,
                         help="documents per task (a number >= 1) or a share of them (below 1)")
@@ -127,6 +133,7 @@ def _check(ns: argparse.Namespace) -> list[str]:
     for folder in ns.include_path:
         if not Path(folder).is_dir():
             raise TaskError(f"--include-path {folder} is not a folder; give a folder of lm-eval task YAML files")
+    check_task_folders(ns.include_path, ns.trust_task_code)
     if ns.limit is not None and not (ns.limit > 0 and (ns.limit < 1 or ns.limit == int(ns.limit))):
         raise TaskError(f"--limit {ns.limit:g}: give a whole number of documents or a share in (0, 1)")
     if ns.num_fewshot is not None and ns.num_fewshot < 0:
@@ -145,7 +152,8 @@ def evaluate_verb(argv: list[str], stdout: IO[str] | None = None) -> dict[str, A
         lm = AstraiLM.from_pretrained(ns.model, ns.adapter, tokenizer=ns.tokenizer, device=ns.device,
                                       dtype=ns.dtype, max_total_tokens=ns.max_total_tokens)
         results = evaluate(lm, tasks, include_path=ns.include_path, num_fewshot=ns.num_fewshot, limit=ns.limit,
-                           apply_chat_template=ns.apply_chat_template, seed=ns.seed)
+                           apply_chat_template=ns.apply_chat_template, seed=ns.seed,
+                           trust_task_code=ns.trust_task_code)
     except (*USER_ERRORS, TaskError, KeyError) as err:
         raise SystemExit(f"astrai-pl evaluate: {err}") from None
     if ns.output is not None:

@@ -7,6 +7,9 @@
 - `astrai_next_sentence`: one or two sentences of a held-out document of the embedded corpus,
   and four sentences to continue it: the true next one and three from other documents (log-likelihood).
 
+A folder of task files from elsewhere (`--include-path`) is code: lm-eval renders its templates with an
+unsandboxed jinja2 and imports what its `!function` tags name, so it is read only under `--trust-task-code`.
+
 Their YAML files name local JSONL data relative to themselves; lm-eval would read such a path relative to the
 working directory, so `task_specs` hands lm-eval those tasks as configs with the path made absolute (read with
 `yaml.safe_load`: nothing in them runs). The JSONL files are built by `write_shipped_data` (deterministic:
@@ -36,6 +39,22 @@ VAL_FRACTION = 0.02  # the pretraining configs' val_fraction: these documents ar
 
 class TaskError(ValueError):
     """A task name or task file that lm-eval cannot be given."""
+
+
+def check_task_folders(folders: Iterable[str | Path], trust_task_code: bool) -> None:
+    """TaskError for a folder of task files that is not one shipped with the package, unless `trust_task_code`:
+    lm-eval renders a task's templates (doc_to_text, doc_to_target, …) with an unsandboxed jinja2 environment
+    and imports the Python its `!function` tags name, so a task folder is code, whatever its YAML looks like."""
+    if trust_task_code:
+        return
+    for folder in folders:
+        resolved = Path(folder).resolve()
+        if resolved != SHIPPED and SHIPPED not in resolved.parents:
+            raise TaskError(
+                f"--include-path {folder}: task folders not shipped with astrai_pl are code (lm-eval renders "
+                "their templates with an unsandboxed jinja2 and imports the Python their !function tags name, so "
+                "a task file can run any command). Fix: read the folder's files, and if you trust whoever wrote "
+                "them pass --trust-task-code (trust_task_code=True in evaluate() or the Evaluate callback)")
 
 
 # -- names -> what lm-eval loads ---------------------------------------------------------------------------

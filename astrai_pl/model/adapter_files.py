@@ -23,8 +23,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..atomic import partial_path, remove_path, replace_path
-from .config import ModelConfig
-from .hf import _check_finite, _open, _read_json, save_tokenizer
+from .config import ConfigError, ModelConfig
+from .export_manifest import check_overwrite, write_manifest
+from .hf import _carry_over, _check_finite, _open, _read_json, save_tokenizer
 from .hf_config import CheckpointError, CheckpointNotFoundError, ExportError, NonFiniteWeightError
 from .hf_keys import hf_name
 from .lora import LoraConfig, adapter_state, apply_lora, hf_module_name, lora_modules
@@ -83,9 +84,10 @@ def adapter_config_json(model: nn.Module, base_model_name_or_path: str | None = 
 
 
 def save_adapter(model: nn.Module, path: str | Path, tokenizer: Any = None,
-                 base_model_name_or_path: str | None = None) -> None:
+                 base_model_name_or_path: str | None = None, overwrite: bool = False) -> None:
     """Write `model`'s adapter as a PEFT directory (and the tokenizer's files, when given, as a model export
-    writes them: its chat template led by the BOS, `hf.save_tokenizer`)."""
+    writes them: its chat template led by the BOS, `hf.save_tokenizer`). Into an existing folder as
+    `hf.save_pretrained` does: other files kept, one no export wrote overwritten only with `overwrite`."""
     from .hf import nonfinite_tensors
 
     target = Path(path)
@@ -106,11 +108,16 @@ def save_adapter(model: nn.Module, path: str | Path, tokenizer: Any = None,
     remove_path(work)
     work.mkdir()
     try:
-        save_file(state, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         if tokenizer is not None:
             save_tokenizer(tokenizer, work)
+        writes = {p.name for p in work.iterdir()} | {ADAPTER_WEIGHTS, ADAPTER_CONFIG}
+        left_out = check_overwrite(target, writes, overwrite)
+        save_file(state, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        if target.is_dir():
+            _carry_over(target, work, left_out | writes)
         config = adapter_config_json(model, base_model_name_or_path)
         (work / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_manifest(work, writes)
         replace_path(work, target)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -154,7 +161,10 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     if not file.is_file():
         raise CheckpointNotFoundError(f"{file} does not exist. Fix: pass a PEFT adapter directory (it holds "
                                       f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}; .bin adapters are not read).")
-    apply_lora(model, lora)
+    try:
+        apply_lora(model, lora)
+    except ConfigError as err:  # it names the field (r, target_modules); say which file it came from
+        raise CheckpointError(f"{Path(path) / ADAPTER_CONFIG}: {err}") from None
     if fused_targets(model):
         raise CheckpointError(f"{Path(path) / ADAPTER_CONFIG}: target_modules adapt fused layers: "
                               f"{_fused_advice(model)}, and the adapter's matrices would have to be split. Fix: "

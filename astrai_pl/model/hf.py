@@ -22,7 +22,8 @@ generation_config.json lists as `eos_token_id` the model's end ids and, when a t
 it, the tokenizer's end-of-turn ids (see Tokenizer.eos_token_ids), so `transformers` and vLLM stop
 where a chat turn ends.
 
-Saving refuses NaN/inf weights, writes the hidden `.NAME.partial` beside the target (config.json last, so
+Saving refuses NaN/inf weights and, into an existing folder, overwriting a file that no export wrote
+(export_manifest.py; `overwrite=True` allows it; other files are kept); it writes the hidden `.NAME.partial` beside the target (config.json last, so
 a folder holding it is complete) and moves it into place with astrai_pl/atomic.py's `replace_path`: a kill
 at any moment leaves a complete export, under its name or beside it, which loading reads and the next save
 puts back.
@@ -44,6 +45,7 @@ from safetensors.torch import save_file
 
 from ..atomic import interrupted_copy, partial_path, recover_interrupted_replace, remove_path, replace_path
 from .config import ModelConfig
+from .export_manifest import check_overwrite, write_manifest
 from .hf_config import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -283,10 +285,11 @@ def _write_json(file: Path, obj: dict[str, Any]) -> None:
     file.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _write_weights(folder: Path, tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> None:
-    shards = _shard(tensors, max_bytes)
-    names = ([SINGLE_FILE] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+def _weight_names(count: int) -> list[str]:
+    return [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _write_weights(folder: Path, shards: list[list[tuple[str, torch.Tensor]]], names: list[str]) -> None:
     weight_map, total = {}, 0
     for name, shard in zip(names, shards):
         data = {key: t.detach().to("cpu").contiguous() for key, t in shard}
@@ -308,22 +311,27 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _carry_over(old: Path, new: Path) -> None:
-    """Bring the old directory's other files (README, tokenizer, ...) into the new one; old weights and
-    config.json (written last, from the model) are dropped."""
+def _carry_over(old: Path, new: Path, left_out: set[str]) -> None:
+    """Bring the old directory's other files (README, the user's own, ...) into the new one, except the names in
+    `left_out`: those the export writes (config.json among them) and those a previous export wrote."""
     for entry in old.iterdir():
-        if (new / entry.name).exists() or _is_weight_file(entry.name) or entry.name == "config.json":
+        if (new / entry.name).exists() or entry.name in left_out:
             continue
-        if entry.is_dir():
-            shutil.copytree(entry, new / entry.name, copy_function=_link_or_copy)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, copy_function=_link_or_copy, symlinks=True)
+        elif entry.is_symlink():
+            os.symlink(os.readlink(entry), new / entry.name)
         else:
             _link_or_copy(str(entry), str(new / entry.name))
 
 
 def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = None,
-                    max_shard_size: int = 2 * 1024**3) -> None:
+                    max_shard_size: int = 2 * 1024**3, overwrite: bool = False) -> None:
     """Write config.json, generation_config.json, safetensors (sharded above max_shard_size bytes) and,
-    if given, the tokenizer's files: a directory `transformers.AutoModelForCausalLM` loads."""
+    if given, the tokenizer's files: a directory `transformers.AutoModelForCausalLM` loads. Into an existing
+    folder: the files a previous export wrote are replaced, every other file is kept, and a file this export
+    would overwrite that no export wrote (the user's config.json, weights from elsewhere) is refused with
+    ExportConflictError unless `overwrite` (export_manifest.py)."""
     cfg: ModelConfig = model.config
     check_exportable(cfg)
     if max_shard_size <= 0:
@@ -343,7 +351,7 @@ def save_pretrained(model: torch.nn.Module, path: str | Path, tokenizer: Any = N
     remove_path(work)  # left by a save killed while writing it
     work.mkdir()
     try:
-        _write_files(work, target, tensors, tokenizer, cfg, max_shard_size)
+        _write_files(work, target, tensors, tokenizer, cfg, max_shard_size, overwrite)
         replace_path(work, target)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -361,14 +369,20 @@ def save_tokenizer(tokenizer: Any, folder: Path) -> None:
 
 
 def _write_files(work: Path, target: Path, tensors: list[tuple[str, torch.Tensor]], tokenizer: Any,
-                 cfg: ModelConfig, max_shard_size: int) -> None:
-    """Everything of an export into `work`, config.json last (its presence marks the folder complete)."""
-    _write_weights(work, tensors, max_shard_size)
+                 cfg: ModelConfig, max_shard_size: int, overwrite: bool) -> None:
+    """Everything of an export into `work`, config.json last (its presence marks the folder complete), then the
+    manifest of what it wrote; what `target` holds besides is checked first and carried over."""
     end_ids = list(getattr(tokenizer, "eos_token_ids", None) or [])
     _write_json(work / "generation_config.json", generation_config(cfg, end_ids))
     if tokenizer is not None:
         save_tokenizer(tokenizer, work)
+    shards = _shard(tensors, max_shard_size)
+    weights = _weight_names(len(shards))
+    writes = {p.name for p in work.iterdir()} | set(weights) | {"config.json"} | ({INDEX_FILE} if len(shards) > 1 else set())
+    left_out = check_overwrite(target, writes, overwrite, {SINGLE_FILE, INDEX_FILE}, _is_weight_file)
+    _write_weights(work, shards, weights)
     if target.is_dir():
-        _carry_over(target, work)
+        _carry_over(target, work, left_out | writes)
     dtype = str(tensors[0][1].dtype).removeprefix("torch.")
     _write_json(work / "config.json", config_to_hf(cfg, dtype))
+    write_manifest(work, writes)

@@ -13,7 +13,8 @@ the directory). A targeted `Linear` is replaced by a `LoraLinear` that holds the
 parameters, so the base keeps its state-dict keys and its Hugging Face export is unchanged.
 
 `target_modules` as in PEFT: a list of module names, each matching a module whose Hugging Face name is it or ends
-in `.` + it; a string, matched as a regular expression against the whole Hugging Face module name; or
+in `.` + it; a string, matched as a regular expression against the whole Hugging Face module name (by RE2, in
+time linear in the name: look-arounds and back-references are refused); or
 `"all-linear"`: every projection of attention and of the dense or shared-expert MLP, never the output layer; None:
 PEFT's default for the model type (q_proj and v_proj; RWKV: key, value, receptance, output, which by the suffix
 rule name the time mix's four projections and the channel mix's three, as in transformers' `RwkvForCausalLM`:
@@ -29,6 +30,7 @@ policy of DPO and GRPO) also restores those modules.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 from collections.abc import Iterator
@@ -46,7 +48,7 @@ DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for llama, mistral, qwe
 RWKV_TARGETS = ("key", "value", "receptance", "output")  # PEFT's default for rwkv
 _NOT_ADAPTABLE = re.compile(r".*\.mlp\.(experts\.\d+\..*|gate)")  # routed experts, router
 _FIELD = "model.init_args.lora"
-_NESTED_REPEAT = re.compile(r"\((?:[^()\\]|\\.)*[*+}](?:[^()\\]|\\.)*\)\s*[*+{]")  # a group with a quantifier, quantified
+_MAX_PATTERN = 1000  # characters of a target_modules regex
 
 
 @dataclass
@@ -89,15 +91,10 @@ class LoraConfig:
         if isinstance(targets, tuple):
             self.target_modules = list(targets)
         if isinstance(targets, str) and targets != ALL_LINEAR:
-            try:
-                re.compile(targets)
-            except re.error as err:
-                raise ConfigError(f"{_FIELD}.target_modules={targets!r} is not a regular expression ({err}); "
-                                  "give a list of module names or all-linear") from None
-            if len(targets) > 1000 or _NESTED_REPEAT.search(targets):  # (a+)+ backtracks for hours on one name
-                raise ConfigError(f"{_FIELD}.target_modules={targets[:80]!r}: longer than 1000 characters, or a "
-                                  "repeated group that itself repeats, which can make matching run for hours; give "
-                                  "a list of module names, all-linear, or a short regex without nested repeats")
+            if len(targets) > _MAX_PATTERN:
+                raise ConfigError(f"{_FIELD}.target_modules={targets[:80]!r}…: longer than {_MAX_PATTERN} "
+                                  "characters; give a list of module names, all-linear, or a shorter regex")
+            target_pattern(targets)
         saved = self.modules_to_save
         if saved is not None and not (isinstance(saved, (list, tuple)) and all(isinstance(m, str) for m in saved)):
             raise ConfigError(f"{_FIELD}.modules_to_save={saved!r}: give a list of module names, e.g. [lm_head]")
@@ -176,9 +173,26 @@ def hf_module_name(name: str, model_type: str) -> str:
     return hf_name(f"{name}.weight", model_type).removesuffix(".weight")
 
 
+@functools.lru_cache(maxsize=32)
+def target_pattern(targets: str) -> Any:
+    """`targets` compiled by RE2, whose matching takes time linear in the name for any pattern (Python's `re`
+    backtracks: `((.+))+Z` on one module name runs for hours); ConfigError for what RE2 cannot compile."""
+    import re2
+
+    options = re2.Options()
+    options.log_errors = False
+    try:
+        return re2.compile(targets, options)
+    except re2.error as err:
+        why = err.args[0].decode(errors="replace") if err.args and isinstance(err.args[0], bytes) else err
+        raise ConfigError(f"{_FIELD}.target_modules={targets[:80]!r} is not a regular expression RE2 accepts "
+                          f"({why}; look-arounds and back-references are not supported); give a list of module "
+                          "names, all-linear, or a regex without them") from None
+
+
 def _matches(targets: list[str] | str, hf: str) -> bool:
     if isinstance(targets, str):
-        return re.fullmatch(targets, hf) is not None
+        return target_pattern(targets).fullmatch(hf) is not None
     return any(hf == t or hf.endswith("." + t) for t in targets)
 
 
@@ -237,6 +251,17 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+def _check_rank(model: nn.Module, lora: LoraConfig, targets: list[str]) -> None:
+    """ConfigError when r exceeds min(in, out) of a targeted layer: B·A has no higher rank there, and its
+    matrices would only be larger (r = 10^11 would ask for terabytes)."""
+    layers = [(name, model.get_submodule(name)) for name in targets]
+    name, layer = min(layers, key=lambda item: min(item[1].in_features, item[1].out_features))
+    bound = min(layer.in_features, layer.out_features)
+    if lora.r > bound:
+        raise ConfigError(f"{_FIELD}.r={lora.r}: larger than {name} ({layer.in_features} -> {layer.out_features}) "
+                          f"allows, where an update B·A has rank at most {bound}; give r <= {bound} (e.g. 8 or 16)")
+
+
 def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
     """Freeze every parameter of `model`, then give each targeted projection a trainable adapter and make the
     `modules_to_save` trainable (their original weights kept aside for `adapters_disabled`)."""
@@ -244,6 +269,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
         raise ConfigError(f"{_FIELD}: this model already has an adapter; merge it first (merge_lora) or load the "
                           "base without it")
     targets, saved = target_names(model, lora), saved_module_names(model, lora)
+    _check_rank(model, lora, targets)
     for p in model.parameters():
         p.requires_grad_(False)
     for name in targets:

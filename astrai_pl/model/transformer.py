@@ -183,14 +183,17 @@ class Transformer(nn.Module):
             load_adapter(model, adapter)
         return model
 
-    def save_pretrained(self, path: str | Path, tokenizer=None, max_shard_size: int = 2 * 1024**3) -> None:
+    def save_pretrained(self, path: str | Path, tokenizer=None, max_shard_size: int = 2 * 1024**3,
+                        overwrite: bool = False) -> None:
         """Write a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads; for a model with a
-        LoRA adapter, the adapter alone, as a PEFT directory (merge first, `lora.merge_lora`, for a full model)."""
+        LoRA adapter, the adapter alone, as a PEFT directory (merge first, `lora.merge_lora`, for a full model).
+        Into an existing folder, a file that no export wrote is overwritten only with `overwrite=True` (else
+        ExportConflictError); files it does not write are kept."""
         if self.lora_config is not None:
             from .adapter_files import save_adapter
 
-            save_adapter(self, path, tokenizer=tokenizer)
+            save_adapter(self, path, tokenizer=tokenizer, overwrite=overwrite)
             return
         from .hf import save_pretrained
 
-        save_pretrained(self, path, tokenizer=tokenizer, max_shard_size=max_shard_size)
+        save_pretrained(self, path, tokenizer=tokenizer, max_shard_size=max_shard_size, overwrite=overwrite)

@@ -76,7 +76,8 @@ def test_other_ranks_only_wait_and_learn_of_a_failure_on_rank_zero():
 
 
 def test_a_failure_on_rank_zero_still_meets_the_barrier_and_stops_with_the_error():
-    callback = Evaluate(tasks=["not_a_local_task"], limit=1, include_path=["/nonexistent-folder"])
+    callback = Evaluate(tasks=["not_a_local_task"], limit=1, include_path=["/nonexistent-folder"],
+                        trust_task_code=True)
     trainer, module, _ = fake_run(rank_zero=True)
     callback.evaluate = lambda pl_module: (_ for _ in ()).throw(KeyError("not_a_local_task"))
     with pytest.raises(EvaluationError, match="not_a_local_task"):

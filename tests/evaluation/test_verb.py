@@ -53,7 +53,7 @@ def test_an_included_local_task_is_found_by_name_from_any_directory(ours, tmp_pa
     assert spec["dataset_kwargs"]["data_files"]["test"] == str(folder / "rows.jsonl")
     from astrai_pl.evaluation import evaluate
 
-    results = evaluate(ours, ["my_local"], include_path=[folder])
+    results = evaluate(ours, ["my_local"], include_path=[folder], trust_task_code=True)
     assert results["results"]["my_local"]["perplexity,none"] > 1
 
 

@@ -212,8 +212,8 @@ def test_save_over_existing_directory_replaces_weights_and_keeps_other_files(tmp
     (out / "README.md").write_text("notes")
     ours = our_model("llama")
     perturbed(ours, seed=3).save_pretrained(out)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "generation_config.json",
-                                                     "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".astrai-pl-export.json", "README.md", "config.json",
+                                                     "generation_config.json", "model.safetensors", "tokenizer.json"]
     assert_same_logits(Transformer.from_pretrained(out).eval(), ours)
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 

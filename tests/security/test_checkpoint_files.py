@@ -112,6 +112,7 @@ def test_a_pickle_in_a_shard_never_runs(fsdp, tmp_path):
     weights = {"model.embed_tokens.weight": torch.zeros(4, 4), "model.extra": WritesAFile(marker)}
     save({"state_dict": weights}, checkpoint_id=folder, no_dist=True)
     shutil.copy(fsdp.folder / "meta.pt", folder / "meta.pt")
+    _forge_checksums(folder)  # else it is refused before any shard is read
     for entry in ("read_checkpoint", "init_from", "AtomicCheckpointIO"):
         with pytest.raises(CheckpointError, match=str(folder)):
             _entry_points(folder, tmp_path)[entry]()
@@ -120,11 +121,11 @@ def test_a_pickle_in_a_shard_never_runs(fsdp, tmp_path):
 
 def test_metadata_that_points_outside_its_folder_is_refused(fsdp, tmp_path):
     folder = _copy(fsdp.folder, tmp_path)
-    (folder / "checksums.json").unlink(missing_ok=True)
     (tmp_path / "elsewhere").write_bytes(b"not for this reader")
     metadata = pickle.loads((folder / ".metadata").read_bytes())  # our own file, written by the fixture
     next(iter(metadata.storage_data.values())).relative_path = "../elsewhere"
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    _forge_checksums(folder)
     with pytest.raises(CheckpointError, match=r"points at '\.\./elsewhere', outside its folder"):
         read_checkpoint(folder)
 
@@ -133,9 +134,9 @@ def test_metadata_that_points_outside_its_folder_is_refused(fsdp, tmp_path):
 @pytest.mark.parametrize("entry", ["read_checkpoint", "FSDP2Strategy"])
 def test_a_truncated_shard_is_a_checkpoint_error_naming_the_folder(fsdp, tmp_path, entry):
     folder = _copy(fsdp.folder, tmp_path)
-    (folder / "checksums.json").unlink(missing_ok=True)  # as written before checksums: the reader itself fails
     shard = folder / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:4096])  # cut off inside the first weights
+    _forge_checksums(folder)  # checksums that match: the reader itself fails
     with pytest.raises(CheckpointError, match=rf"{folder}: .*cannot be read") as info:
         _entry_points(folder, tmp_path)[entry]()
     assert "\n" not in str(info.value)
@@ -151,13 +152,12 @@ def test_a_flipped_byte_in_a_shard_fails_its_checksum(fsdp, tmp_path, entry):
         _entry_points(folder, tmp_path)[entry]()
 
 
-def test_a_folder_without_checksums_loads_and_says_it_was_not_verified(fsdp, tmp_path):
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_folder_without_checksums_is_refused(fsdp, tmp_path, entry):
     folder = _copy(fsdp.folder, tmp_path)
-    (folder / "checksums.json").unlink(missing_ok=True)
-    with pytest.warns(UserWarning, match="not verified"):
-        loaded = read_checkpoint(folder)
-    reference = read_checkpoint(fsdp.folder)
-    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in reference["state_dict"].items())
+    (folder / "checksums.json").unlink()
+    with pytest.raises((CheckpointError, SystemExit), match=rf"{folder}: no checksums\.json"):
+        _entry_points(folder, tmp_path)[entry]()
 
 
 def test_a_file_of_random_bytes_is_not_called_truncated(tmp_path):
