@@ -21,7 +21,14 @@ from ..checkpoint.loading import weights_fingerprint
 from ..model import ConfigError, LoraConfig, ModelConfig
 from ..model.lora import adapter_state, adapters_disabled, apply_lora, merge_lora, trainable_summary
 from ..model.nf4 import check_quantize, quantize_base
-from ..parallel import ActivationCheckpointing, check_activation_checkpointing, configure_model, is_dtensor
+from ..parallel import (
+    ActivationCheckpointing,
+    check_activation_checkpointing,
+    check_fp8_recipe,
+    configure_model,
+    fp8_scales_after_step,
+    is_dtensor,
+)
 from .losses import IGNORE_INDEX, cross_entropy, linear_cross_entropy, next_token_labels
 from .schedules import fit_schedule_length
 
@@ -108,6 +115,7 @@ class Objective(L.LightningModule, ABC):
         compile: bool = False,
         lora: LoraConfig | None = None,
         quantize: Literal["nf4"] | None = None,
+        fp8: str | None = None,
     ):
         """
         Args:
@@ -135,11 +143,22 @@ class Objective(L.LightningModule, ABC):
             quantize: "nf4": QLoRA. The frozen base's linear weights (all but the output layer) are stored in
                 4-bit NF4 with double quantisation and dequantised inside each matmul; read straight into NF4
                 from a Hugging Face init_from, quantised after initialisation on a fresh model. Needs lora.
+            fp8: Train the linear layers' matmuls in FP8 (torchao's float8 linear layers): "tensorwise" (one scale
+                per tensor; the faster, and under FSDP2 the weights are all-gathered in float8) or "rowwise" (one
+                scale per row; the more accurate); null for none. The output layer, and any linear layer whose
+                dimensions are not multiples of 16, keep their precision. Needs a GPU of compute capability 8.9
+                or higher (refused elsewhere when the model is laid out); not with lora or quantize. Combine with
+                precision: bf16-mixed. See docs/distributed.md.
         """
         super().__init__()
         check_activation_checkpointing(activation_checkpointing)
         self.activation_checkpointing, self.compile_blocks = activation_checkpointing, compile
         check_quantize(quantize, lora)
+        check_fp8_recipe(fp8)
+        if fp8 is not None and (lora is not None or quantize is not None):
+            raise ConfigError(f"fp8={fp8!r} with {'quantize' if quantize else 'lora'}: FP8 trains the full linear "
+                              "weights, while LoRA freezes them (and NF4 stores them in 4 bits); drop one of them")
+        self.fp8 = fp8
         self.model = load_transformer(arch, init_from, quantize=quantize)
         if self.model.lora_config is not None:  # init_from a LoRA run's checkpoint: its adapter joins the base
             merge_lora(self.model)
@@ -246,7 +265,8 @@ class Objective(L.LightningModule, ABC):
 
     def configure_model(self) -> None:
         """Tensor parallel, activation checkpointing, compile and FSDP2, as configured (astrai_pl/parallel.py)."""
-        configure_model(self.model, self.trainer.strategy, self.activation_checkpointing, self.compile_blocks)
+        configure_model(self.model, self.trainer.strategy, self.activation_checkpointing, self.compile_blocks,
+                        fp8=self.fp8)
 
     # -- the steps: one shared body for train / val / test ----------------------------------------------
     @abstractmethod
@@ -327,6 +347,8 @@ class Objective(L.LightningModule, ABC):
             optimizer = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
         else:
             optimizer = self.optimizer_fn(groups)
+        if self.fp8 is not None:
+            fp8_scales_after_step(self.model, optimizer)
         if self.scheduler_fn is None:
             return optimizer
         scheduler = self.scheduler_fn(optimizer)
