@@ -17,7 +17,8 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from ..checkpoint import CheckpointError, load_transformer
-from ..checkpoint.loading import weights_fingerprint
+from ..checkpoint.loading import meta_transformer, weights_fingerprint
+from ..deferred_init import check_meta_build, materialize, meta_skeleton, on_meta
 from ..model import ConfigError, LoraConfig, ModelConfig
 from ..model.lora import adapter_state, adapters_disabled, apply_lora, merge_lora, trainable_summary
 from ..model.nf4 import check_quantize, quantize_base
@@ -57,6 +58,10 @@ def context_limit(arch: ModelConfig) -> int | None:
 
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A deep copy in eval mode whose parameters never require a gradient (reference / old policies)."""
+    if on_meta(model):
+        raise ConfigError("a frozen reference copy of a model built on the meta device would hold no weights on "
+                          "any process (a meta-device build shards the policy alone); set beta: 0 or train a LoRA "
+                          "adapter (its reference is the base), or build the objective in host memory")
     frozen = copy.deepcopy(model).eval()
     for p in frozen.parameters():
         p.requires_grad_(False)
@@ -159,7 +164,13 @@ class Objective(L.LightningModule, ABC):
             raise ConfigError(f"fp8={fp8!r} with {'quantize' if quantize else 'lora'}: FP8 trains the full linear "
                               "weights, while LoRA freezes them (and NF4 stores them in 4 bits); drop one of them")
         self.fp8 = fp8
-        self.model = load_transformer(arch, init_from, quantize=quantize)
+        deferred = torch.get_default_device().type == "meta"  # trainer.init_module(empty_init=True) under FSDP2
+        if deferred:  # shapes only; configure_model fills each process's shards (astrai_pl/deferred_init.py)
+            self.model, self._weights_dir = meta_transformer(arch, init_from)
+            check_meta_build(self.model, lora, quantize)
+            self._init_seed = torch.initial_seed()
+        else:
+            self.model = load_transformer(arch, init_from, quantize=quantize)
         if self.model.lora_config is not None:  # init_from a LoRA run's checkpoint: its adapter joins the base
             merge_lora(self.model)
         self.arch = self.model.config
@@ -172,7 +183,8 @@ class Objective(L.LightningModule, ABC):
             self.strict_loading = False  # checkpoints hold the adapter only; on_load_checkpoint checks it
         self.tokenizer = tokenizer
         self.optimizer_fn, self.scheduler_fn = optimizer, scheduler
-        self.val_loss = MeanMetric()
+        with torch.device("cpu") if deferred else contextlib.nullcontext():
+            self.val_loss = MeanMetric()  # its state is moved with the module, never built on the meta device
         # Lightning reads the arguments of every __init__ on the stack: these and the subclass's own.
         self.save_hyperparameters(ignore=["tokenizer", "optimizer", "scheduler"])
 
@@ -264,9 +276,14 @@ class Objective(L.LightningModule, ABC):
         return f"model.init_args.arch.{name}={value}"
 
     def configure_model(self) -> None:
-        """Tensor parallel, activation checkpointing, compile and FSDP2, as configured (astrai_pl/parallel.py)."""
-        configure_model(self.model, self.trainer.strategy, self.activation_checkpointing, self.compile_blocks,
-                        fp8=self.fp8)
+        """FP8, tensor parallel, activation checkpointing, compile and FSDP2, as configured (astrai_pl/parallel.py);
+        then, for a model built on the meta device, each process's shards are filled (astrai_pl/deferred_init.py)."""
+        strategy = self.trainer.strategy
+        skeleton = meta_skeleton(self.model)  # before the layout: the whole shapes
+        configure_model(self.model, strategy, self.activation_checkpointing, self.compile_blocks, fp8=self.fp8)
+        if skeleton is not None:
+            seed = strategy.broadcast(self._init_seed)  # rank 0's: every process draws the same weights
+            materialize(self.model, skeleton, strategy.root_device, self._weights_dir, seed)
 
     # -- the steps: one shared body for train / val / test ----------------------------------------------
     @abstractmethod
