@@ -5,9 +5,9 @@ only its regions of each tensor) or by drawing the initial weights.
 
 The draw. A fresh model built whole draws every weight from the global generator in module order, constructors
 first; a process holding shards cannot replay that stream without drawing the whole model. So each parameter is
-drawn here whole, on the CPU, by its module's own rules (`Transformer.reset_parameters`, after the module's own
-`reset_parameters` as its constructor ran it) from a generator seeded with (seed + the module's index), one
-module at a time, and each process keeps its region. The weights depend on the seed alone: the same for any
+drawn here whole, on the CPU, by the rules of `Transformer.reset_parameters` (a module they do not cover: its
+own `reset_parameters`) from a generator seeded with (seed + the module's index), one module at a time, and each
+process keeps its region. The weights depend on the seed alone: the same for any
 number of processes, on any device, and for a one-process meta build. They follow the same distributions as a
 model built whole, but are not bit-equal to one built whole with the same seed.
 """
@@ -22,8 +22,8 @@ from torch import nn
 
 from .model import ConfigError, Transformer
 from .model.gemma import GemmaRMSNorm
-from .model.layers import RMSNorm
 from .model.hf_shards import load_pretrained_into, local_part, local_region, restore_rotary_buffers
+from .model.layers import RMSNorm
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -53,17 +53,17 @@ class _OneModule:
 
 
 def _draw(name: str, module: nn.Module, config, seed: int) -> None:
-    """Fill `module`'s own parameters (materialised on the CPU) as a model built whole would: its constructor's
-    initialisation, then the Transformer's rules, on a generator seeded with `seed`."""
+    """Fill `module`'s own parameters (materialised on the CPU) by the Transformer's rules, on a generator seeded
+    with `seed`; a module those rules do not cover keeps its own `reset_parameters`, as its constructor ran it."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.default_generator.manual_seed(seed)  # the CPU's alone: the draw is the same on any device
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset) and not isinstance(module, Transformer):
-            reset()
-        elif not isinstance(module, (RMSNorm, GemmaRMSNorm)):
-            raise ConfigError(f"{name or 'the model'} ({type(module).__name__}) has no initialisation to draw its "
-                              "parameters by; build this model in host memory")
-        Transformer.reset_parameters(_OneModule(config, name, module))
+        if isinstance(module, (nn.Linear, nn.Embedding, RMSNorm, GemmaRMSNorm)):
+            Transformer.reset_parameters(_OneModule(config, name, module))
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+        else:
+            raise ConfigError(f"{name} ({type(module).__name__}) has parameters but no initialisation to draw them "
+                              "by; build this model in host memory")
 
 
 def initialize_shards(model: nn.Module, skeleton: Transformer, seed: int) -> None:
@@ -90,6 +90,8 @@ def materialize(model: nn.Module, skeleton: Transformer, device: torch.device, w
     from the Hugging Face directory `weights`, or drawn from `seed`. `skeleton`: a meta copy of the model made
     before the layout (the whole shapes, the modules' own initialisation)."""
     model.to_empty(device=device)
+    if model.config.tie_word_embeddings and model.lm_head.weight is not model.embed_tokens.weight:
+        model.lm_head.weight = model.embed_tokens.weight  # to_empty gives each module its own new tensor
     if weights is not None:
         load_pretrained_into(model, weights)
     else:

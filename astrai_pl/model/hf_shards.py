@@ -68,13 +68,10 @@ def restore_rotary_buffers(model: nn.Module) -> None:
 def load_pretrained_into(model: nn.Module, path: str | Path) -> None:
     """Fill `model`'s parameters (plain or DTensor, already on their device; a tied output layer shares the
     embedding) with the weights of the Hugging Face directory `path`, each process reading only its regions,
-    cast to each parameter's dtype. `model.config` must be the one `path`'s config.json describes."""
+    cast to each parameter's dtype. Every key and shape is checked against the model's before a tensor is read."""
     root = export_dir(path)
-    if read_config(root).to_dict() != model.config.to_dict():
-        raise ValueError(f"{root}: its config.json describes another model than the one to fill; build the model "
-                         "from read_config(path)")
     params = dict(model.named_parameters())  # a tied lm_head.weight is named once, as embed_tokens.weight
-    sources = plan_weights(weight_files(root), model.config, {k: tuple(p.shape) for k, p in params.items()})
+    sources = plan_weights(weight_files(root), read_config(root), {k: tuple(p.shape) for k, p in params.items()})
     by_file: dict[Path, list[tuple[str, Source]]] = defaultdict(list)
     for key, source in sources.items():
         by_file[source.file].append((key, source))
