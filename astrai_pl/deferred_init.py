@@ -33,7 +33,7 @@ def on_meta(module: nn.Module) -> bool:
 
 def check_meta_build(model: Transformer, lora, quantize) -> None:
     """ConfigError for what a meta-device build does not cover, naming the way out."""
-    fix = "build the objective outside trainer.init_module(empty_init=True) (in host memory)"
+    fix = "set meta_init: false (and build the objective outside trainer.init_module(empty_init=True))"
     if model.config.mixer == "rwkv":
         raise ConfigError(f"a meta-device build of an RWKV model: its time parameters follow a schedule over depth "
                           f"that is not drawn per shard; {fix}")
@@ -63,7 +63,7 @@ def _draw(name: str, module: nn.Module, config, seed: int) -> None:
             module.reset_parameters()
         else:
             raise ConfigError(f"{name} ({type(module).__name__}) has parameters but no initialisation to draw them "
-                              "by; build this model in host memory")
+                              "by; set meta_init: false")
 
 
 def initialize_shards(model: nn.Module, skeleton: Transformer, seed: int) -> None:

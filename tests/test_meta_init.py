@@ -9,15 +9,18 @@ import copy
 import json
 import sys
 
+import lightning as L
 import pytest
 import torch
-from fit_runs import ROOT, _env, _start, finish, free_port
+from fit_runs import ROOT, _env, _start, finish, free_port, quiet_trainer
 from meta_runs import BIG, IDS
 
 from astrai_pl.checkpoint import CheckpointError
+from astrai_pl.cli import lightning_main
 from astrai_pl.deferred_init import materialize
 from astrai_pl.model import ConfigError, LoraConfig, ModelConfig, Transformer
 from astrai_pl.objectives import DPO, Pretrain
+from astrai_pl.strategy import FSDP2Strategy
 
 HF_ARCH = dict(vocab_size=321, tie_word_embeddings=True, num_hidden_layers=3)  # 321 rows: uneven shards
 
@@ -96,7 +99,7 @@ def test_what_a_meta_device_build_does_not_cover_is_refused_by_name(tmp_path):
     debug = ModelConfig.from_name("debug")
     torch.save({"state_dict": {}}, tmp_path / "last.ckpt")
     with torch.device("meta"):
-        with pytest.raises(ConfigError, match=r"meta-device build with lora: .* outside trainer\.init_module"):
+        with pytest.raises(ConfigError, match=r"meta-device build with lora: .* set meta_init: false"):
             Pretrain(arch=debug, lora=LoraConfig(r=4))
         with pytest.raises(ConfigError, match=r"meta-device build of an RWKV model"):
             Pretrain(arch=ModelConfig.from_name("debug", model_type="rwkv"))
@@ -113,3 +116,36 @@ def test_bigger_model_shape_is_what_the_bound_assumes():
         model = Transformer(ModelConfig.from_name("debug", **BIG))
     sizes = [p.numel() for p in model.parameters()]
     assert sum(sizes) * 4 > 250 * 2**20 and max(sizes) * 60 < sum(sizes)
+
+
+# -- through Lightning: the option in a config, one FSDP2 rank in this process ------------------------------------
+@pytest.fixture
+def one_rank_group():
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _first_losses(module, strategy) -> list[float]:
+    ids = torch.randint(3, 320, (2, 32), generator=torch.Generator().manual_seed(1))
+    batches = torch.utils.data.DataLoader([{"input_ids": ids, "labels": ids}] * 2, batch_size=None)
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(float(outputs["loss"]))
+
+    quiet_trainer(devices=1, strategy=strategy, max_steps=2, callbacks=[Record()]).fit(module, train_dataloaders=batches)
+    return seen
+
+
+def test_meta_init_from_a_config_trains_as_the_model_built_whole_from_the_same_checkpoint(tmp_path, one_rank_group):
+    torch.manual_seed(0)
+    Transformer(ModelConfig.from_name("debug")).save_pretrained(tmp_path / "hf")
+    cli = lightning_main(["--config", str(ROOT / "configs/pretrain/debug.yaml"), "--trainer.accelerator", "cpu",
+                          "--trainer.logger", "false", "--model.init_args.init_from", str(tmp_path / "hf"),
+                          "--model.init_args.meta_init", "true"], run=False)
+    assert all(p.is_meta for p in cli.model.model.parameters())
+    whole = _first_losses(Pretrain(init_from=str(tmp_path / "hf")), "auto")
+    sharded = _first_losses(Pretrain(init_from=str(tmp_path / "hf"), meta_init=True), FSDP2Strategy())
+    assert sharded == pytest.approx(whole, rel=1e-5)

@@ -78,7 +78,7 @@ def meta_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> 
         raise CheckpointError(
             f"init_from={init_from!r}: a model built on the meta device is read into its shards from a Hugging Face "
             "directory, and this is an astrai-pl checkpoint. Fix: export it first (astrai-pl convert --ckpt CKPT --output DIR) "
-            "and point init_from there, or build the objective outside trainer.init_module(empty_init=True)")
+            "and point init_from there, or set meta_init: false")
     with torch.device("meta"):
         return Transformer(read_config(folder)), folder
 

@@ -61,7 +61,7 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     if on_meta(model):
         raise ConfigError("a frozen reference copy of a model built on the meta device would hold no weights on "
                           "any process (a meta-device build shards the policy alone); set beta: 0 or train a LoRA "
-                          "adapter (its reference is the base), or build the objective in host memory")
+                          "adapter (its reference is the base), or set meta_init: false")
     frozen = copy.deepcopy(model).eval()
     for p in frozen.parameters():
         p.requires_grad_(False)
@@ -121,6 +121,7 @@ class Objective(L.LightningModule, ABC):
         lora: LoraConfig | None = None,
         quantize: Literal["nf4"] | None = None,
         fp8: str | None = None,
+        meta_init: bool = False,
     ):
         """
         Args:
@@ -154,6 +155,13 @@ class Objective(L.LightningModule, ABC):
                 dimensions are not multiples of 16, keep their precision. Needs a GPU of compute capability 8.9
                 or higher (refused elsewhere when the model is laid out); not with lora or quantize. Combine with
                 precision: bf16-mixed. See docs/distributed.md.
+            meta_init: Build the model on the meta device (shapes, no memory) and give each process only what it
+                holds once laid out: with strategy: fsdp2, its shard of every weight, read from a Hugging Face
+                init_from (each process reads only its slices) or drawn from the seed. For models bigger than
+                one host's memory; also on when the objective is built under trainer.init_module(empty_init=True)
+                with strategy: fsdp2. A fresh model's weights then depend on the seed alone, not on the process
+                count, but differ from those of a model built whole with the same seed. Not with lora, quantize,
+                an RWKV model, a .ckpt init_from, or a frozen reference copy (DPO, KTO, GRPO with beta > 0).
         """
         super().__init__()
         check_activation_checkpointing(activation_checkpointing)
@@ -164,7 +172,7 @@ class Objective(L.LightningModule, ABC):
             raise ConfigError(f"fp8={fp8!r} with {'quantize' if quantize else 'lora'}: FP8 trains the full linear "
                               "weights, while LoRA freezes them (and NF4 stores them in 4 bits); drop one of them")
         self.fp8 = fp8
-        deferred = torch.get_default_device().type == "meta"  # trainer.init_module(empty_init=True) under FSDP2
+        deferred = meta_init or torch.get_default_device().type == "meta"  # init_module(empty_init=True), FSDP2
         if deferred:  # shapes only; configure_model fills each process's shards (astrai_pl/deferred_init.py)
             self.model, self._weights_dir = meta_transformer(arch, init_from)
             check_meta_build(self.model, lora, quantize)
