@@ -32,6 +32,7 @@ from torch.utils.checkpoint import (
 
 from .model import ConfigError, Transformer
 from .model.gemma import GemmaRMSNorm
+from .model.hf_shards import restore_rotary_buffers
 from .model.layers import RMSNorm
 from .strategy import DTYPES, ParallelConfigError  # importing it registers `strategy: fsdp2`
 
@@ -360,10 +361,14 @@ def _has_dtensors(model: nn.Module) -> bool:
 # -- full weights for inference ------------------------------------------------------------------------------
 def weightless_copy(model: nn.Module) -> nn.Module:
     """A deep copy of `model` in eval mode whose parameters are empty and frozen (ties kept), made without
-    copying a single weight: the shell that `gather_full_weights` fills."""
-    empty = {id(p): nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
-             for p in model.parameters()}
-    return copy.deepcopy(model, empty).eval()
+    copying a single weight: the shell that `gather_full_weights` fills. Of a model on the meta device (not yet
+    materialised), the shell's parameters are empty on the CPU and its RoPE tables are computed there."""
+    empty = {id(p): nn.Parameter(torch.empty(0, dtype=p.dtype, device="cpu" if p.is_meta else p.device),
+                                 requires_grad=False) for p in model.parameters()}
+    shell = copy.deepcopy(model, empty).eval()
+    if any(b.is_meta for b in shell.buffers()):
+        restore_rotary_buffers(shell)
+    return shell
 
 
 def gather_full_weights(source: nn.Module, target: nn.Module) -> None:

@@ -147,5 +147,7 @@ def test_meta_init_from_a_config_trains_as_the_model_built_whole_from_the_same_c
                           "--model.init_args.meta_init", "true"], run=False)
     assert all(p.is_meta for p in cli.model.model.parameters())
     whole = _first_losses(Pretrain(init_from=str(tmp_path / "hf")), "auto")
+    one_device = _first_losses(Pretrain(init_from=str(tmp_path / "hf"), meta_init=True), "auto")
     sharded = _first_losses(Pretrain(init_from=str(tmp_path / "hf"), meta_init=True), FSDP2Strategy())
+    assert one_device == whole
     assert sharded == pytest.approx(whole, rel=1e-5)
