@@ -75,7 +75,7 @@ def initialize_shards(model: nn.Module, skeleton: Transformer, seed: int) -> Non
         if not own:
             continue
         module.to_empty(device="cpu", recurse=False)
-        _draw(name, module, skeleton.config, seed + index)
+        _draw(name, module, skeleton.config, (seed + index) % 2**64)
         with torch.no_grad():
             for short, _ in own:
                 target = params.get(f"{name}.{short}" if name else short)

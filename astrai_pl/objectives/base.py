@@ -25,12 +25,12 @@ from ..model.nf4 import check_quantize, quantize_base
 from ..parallel import (
     ActivationCheckpointing,
     check_activation_checkpointing,
-    check_fp8_recipe,
     configure_model,
     fp8_scales_after_step,
     is_dtensor,
 )
 from .losses import IGNORE_INDEX, cross_entropy, linear_cross_entropy, next_token_labels
+from .options import check_fp8_options
 from .schedules import fit_schedule_length
 
 
@@ -167,10 +167,7 @@ class Objective(L.LightningModule, ABC):
         check_activation_checkpointing(activation_checkpointing)
         self.activation_checkpointing, self.compile_blocks = activation_checkpointing, compile
         check_quantize(quantize, lora)
-        check_fp8_recipe(fp8)
-        if fp8 is not None and (lora is not None or quantize is not None):
-            raise ConfigError(f"fp8={fp8!r} with {'quantize' if quantize else 'lora'}: FP8 trains the full linear "
-                              "weights, while LoRA freezes them (and NF4 stores them in 4 bits); drop one of them")
+        check_fp8_options(fp8, lora, quantize)
         self.fp8 = fp8
         deferred = meta_init or torch.get_default_device().type == "meta"  # init_module(empty_init=True), FSDP2
         if deferred:  # shapes only; configure_model fills each process's shards (astrai_pl/deferred_init.py)
