@@ -245,7 +245,8 @@ def check_fp8_device(device: torch.device) -> None:
     later), whose tensor cores multiply float8 matrices (`torch._scaled_mm`)."""
     fix = "train on a GPU of compute capability 8.9 or higher (L4, L40, H100, H200, B200), or set fp8: null"
     if device.type != "cuda":
-        raise FP8UnavailableError(f"fp8: the model trains on {device.type}, which has no FP8 matmuls; {fix}")
+        raise FP8UnavailableError(f"fp8: the model trains on {device.type}, which has no FP8 tensor cores (float8 "
+                                  f"matmuls there only emulate a GPU's arithmetic, slower than bf16); {fix}")
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
         raise FP8UnavailableError(f"fp8: {torch.cuda.get_device_name(device)} has compute capability "
