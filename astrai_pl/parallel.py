@@ -1,5 +1,6 @@
 """How the Transformer is laid out for training, applied in `Objective.configure_model` in this order:
 
+0. FP8 training (`fp8: tensorwise | rowwise`, torchao's float8 linear layers), on a GPU that has FP8 matmuls;
 1. tensor parallelism (DTensor) over the mesh's `tensor_parallel` dimension, when it has more than one device;
 2. activation checkpointing per block: `none`, `full` (recompute the whole block) or `selective`
    (keep the matmul and attention outputs, recompute the pointwise ops between them);
@@ -31,6 +32,7 @@ from torch.utils.checkpoint import (
 
 from .model import ConfigError, Transformer
 from .model.gemma import GemmaRMSNorm
+from .model.hf_shards import restore_rotary_buffers
 from .model.layers import RMSNorm
 from .strategy import DTYPES, ParallelConfigError  # importing it registers `strategy: fsdp2`
 
@@ -223,6 +225,74 @@ def apply_tensor_parallel(model: Transformer, mesh) -> None:
         model.lm_head.weight = model.embed_tokens.weight
 
 
+# -- FP8 training -------------------------------------------------------------------------------------------
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+
+class FP8UnavailableError(ParallelConfigError):
+    """FP8 training was asked for on a device without FP8 matmuls (CPU, or a CUDA GPU below capability 8.9)."""
+
+
+def check_fp8_recipe(recipe: str | None) -> None:
+    """ConfigError unless `recipe` is None or one of FP8_RECIPES."""
+    if recipe is not None and recipe not in FP8_RECIPES:
+        raise ConfigError(f"fp8={recipe!r}: unknown FP8 recipe; use tensorwise (one scale per tensor, the faster), "
+                          "rowwise (one scale per row, the more accurate), or null for no FP8")
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """FP8UnavailableError unless `device` is a CUDA GPU of compute capability 8.9 or higher (Ada, Hopper and
+    later), whose tensor cores multiply float8 matrices (`torch._scaled_mm`)."""
+    fix = "train on a GPU of compute capability 8.9 or higher (L4, L40, H100, H200, B200), or set fp8: null"
+    if device.type != "cuda":
+        raise FP8UnavailableError(f"fp8: the model trains on {device.type}, which has no FP8 tensor cores (float8 "
+                                  f"matmuls there only emulate a GPU's arithmetic, slower than bf16); {fix}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise FP8UnavailableError(f"fp8: {torch.cuda.get_device_name(device)} has compute capability "
+                                  f"{capability[0]}.{capability[1]}, below the 8.9 that FP8 matmuls need; {fix}")
+
+
+def fp8_eligible(module: nn.Module, name: str) -> bool:
+    """Whether a linear layer trains in FP8: every one but the output layer (its logits feed the loss, where
+    float8's rounding shows most), and only where both dimensions are multiples of 16 (`torch._scaled_mm`)."""
+    if name.rsplit(".", 1)[-1] == "lm_head":
+        return False
+    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_to_fp8(model: nn.Module, recipe: str, *, fsdp: bool = False) -> list[str]:
+    """Swap the linear layers that `fp8_eligible` picks for torchao's Float8Linear (their weights stay as they
+    are; inputs, weights and output gradients are cast to float8 inside each matmul, scaled per tensor or per
+    row by `recipe`), in place, and return their names. `fsdp` with "tensorwise": FSDP2 all-gathers the weights
+    in float8 (half the bytes of bf16). Before compile and FSDP2, as `configure_model` orders it; the device is
+    not checked here (`check_fp8_device`). A second call converts nothing more."""
+    check_fp8_recipe(recipe)
+    if getattr(model, "lora_config", None) is not None:
+        raise ConfigError(f"fp8={recipe!r} with a LoRA adapter: FP8 trains the full linear weights; drop lora")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = (Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp) if recipe == "tensorwise"
+              else Float8LinearConfig.from_recipe_name(recipe))
+    chosen = [name for name, m in model.named_modules() if type(m) is not Float8Linear and fp8_eligible(m, name)]
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda m, name: type(m) is not Float8Linear and fp8_eligible(m, name))
+    return chosen
+
+
+def fp8_scales_after_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Under FSDP2's float8 all-gather (tensorwise), compute every weight's float8 scale once per optimizer step,
+    in one all-reduce, instead of one per weight at its all-gather; True when the hook was registered."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_linear import Float8Linear
+
+    if not any(isinstance(m, Float8Linear) and m.config.enable_fsdp_float8_all_gather for m in model.modules()):
+        return False
+    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+    return True
+
+
 # -- FSDP2 -----------------------------------------------------------------------------------------------
 def apply_fsdp2(
     model: Transformer,
@@ -258,10 +328,18 @@ def apply_fsdp2(
 
 
 def configure_model(
-    model: Transformer, strategy: Any, activation_checkpointing: str = "none", compile: bool = False
+    model: Transformer, strategy: Any, activation_checkpointing: str = "none", compile: bool = False,
+    fp8: str | None = None,
 ) -> None:
     """Apply the layout above. Idempotent: Lightning may call it again for validate/test after fit."""
     mesh = strategy.device_mesh if isinstance(strategy, ModelParallelStrategy) else None
+    if fp8 is not None:
+        check_fp8_device(strategy.root_device)
+        if mesh is not None and mesh["tensor_parallel"].size() > 1:
+            raise ParallelConfigError(
+                f"fp8={fp8!r} with FSDP2Strategy.tensor_parallel_size={mesh['tensor_parallel'].size()}: FP8 has no "
+                "tensor-parallel plan here; use tensor_parallel_size=1 (FSDP2 alone), or drop fp8")
+        convert_to_fp8(model, fp8, fsdp=mesh is not None)
     if mesh is not None and mesh["tensor_parallel"].size() > 1 and not _has_dtensors(model):
         apply_tensor_parallel(model, mesh["tensor_parallel"])
     apply_activation_checkpointing(model, activation_checkpointing)
@@ -284,10 +362,14 @@ def _has_dtensors(model: nn.Module) -> bool:
 # -- full weights for inference ------------------------------------------------------------------------------
 def weightless_copy(model: nn.Module) -> nn.Module:
     """A deep copy of `model` in eval mode whose parameters are empty and frozen (ties kept), made without
-    copying a single weight: the shell that `gather_full_weights` fills."""
-    empty = {id(p): nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
-             for p in model.parameters()}
-    return copy.deepcopy(model, empty).eval()
+    copying a single weight: the shell that `gather_full_weights` fills. Of a model on the meta device (not yet
+    materialised), the shell's parameters are empty on the CPU and its RoPE tables are computed there."""
+    empty = {id(p): nn.Parameter(torch.empty(0, dtype=p.dtype, device="cpu" if p.is_meta else p.device),
+                                 requires_grad=False) for p in model.parameters()}
+    shell = copy.deepcopy(model, empty).eval()
+    if any(b.is_meta for b in shell.buffers()):
+        restore_rotary_buffers(shell)
+    return shell
 
 
 def gather_full_weights(source: nn.Module, target: nn.Module) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..model import LoraConfig, ModelConfig, Transformer
 from ..model.config import ConfigError
-from ..model.hf import CheckpointError, NonFiniteWeightError, export_dir, nonfinite_tensors
+from ..model.hf import CheckpointError, NonFiniteWeightError, export_dir, nonfinite_tensors, read_config
 from ..model.lora import apply_lora, merge_lora
 from ..model.nf4 import quantize_base
 from .archive import interrupted_copy, is_sharded_checkpoint, read_checkpoint
@@ -65,6 +65,24 @@ def load_transformer(arch: ModelConfig | dict | None, init_from: str | None, qua
             "values. Fix: the file is damaged or was saved after training diverged; use an earlier checkpoint.")
     model.load_state_dict(state, strict=not adapter_only)
     return model if model.lora_config is not None else _quantized(model, quantize)
+
+
+def meta_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> tuple[Transformer, Path | None]:
+    """The Transformer that `load_transformer` gives, built on the meta device (shapes, no storage), and the Hugging
+    Face directory to fill it from (None: a fresh model, to initialise). Only a Hugging Face directory can be read
+    into shards; a .ckpt file or folder is refused with the way to convert it."""
+    if init_from is None:
+        with torch.device("meta"):
+            return Transformer(as_config(arch)), None
+    init_from = resolve_latest(init_from)
+    folder = export_dir(init_from)
+    if not folder.is_dir() or is_sharded_checkpoint(folder):
+        raise CheckpointError(
+            f"init_from={init_from!r}: a model built on the meta device is read into its shards from a Hugging Face "
+            "directory, and this is an astrai-pl checkpoint. Fix: export it first (astrai-pl convert --ckpt CKPT --output DIR) "
+            "and point init_from there, or set meta_init: false")
+    with torch.device("meta"):
+        return Transformer(read_config(folder)), folder
 
 
 def _quantized(model: Transformer, quantize: str | None) -> Transformer:

@@ -17,12 +17,20 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from ..checkpoint import CheckpointError, load_transformer
-from ..checkpoint.loading import weights_fingerprint
+from ..checkpoint.loading import meta_transformer, weights_fingerprint
+from ..deferred_init import check_meta_build, materialize, meta_skeleton, on_meta
 from ..model import ConfigError, LoraConfig, ModelConfig
 from ..model.lora import adapter_state, adapters_disabled, apply_lora, merge_lora, trainable_summary
 from ..model.nf4 import check_quantize, quantize_base
-from ..parallel import ActivationCheckpointing, check_activation_checkpointing, configure_model, is_dtensor
+from ..parallel import (
+    ActivationCheckpointing,
+    check_activation_checkpointing,
+    configure_model,
+    fp8_scales_after_step,
+    is_dtensor,
+)
 from .losses import IGNORE_INDEX, cross_entropy, linear_cross_entropy, next_token_labels
+from .options import check_fp8_options
 from .schedules import fit_schedule_length
 
 
@@ -50,6 +58,10 @@ def context_limit(arch: ModelConfig) -> int | None:
 
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A deep copy in eval mode whose parameters never require a gradient (reference / old policies)."""
+    if on_meta(model):
+        raise ConfigError("a frozen reference copy of a model built on the meta device would hold no weights on "
+                          "any process (a meta-device build shards the policy alone); set beta: 0 or train a LoRA "
+                          "adapter (its reference is the base), or set meta_init: false")
     frozen = copy.deepcopy(model).eval()
     for p in frozen.parameters():
         p.requires_grad_(False)
@@ -108,6 +120,8 @@ class Objective(L.LightningModule, ABC):
         compile: bool = False,
         lora: LoraConfig | None = None,
         quantize: Literal["nf4"] | None = None,
+        fp8: str | None = None,
+        meta_init: bool = False,
     ):
         """
         Args:
@@ -135,12 +149,33 @@ class Objective(L.LightningModule, ABC):
             quantize: "nf4": QLoRA. The frozen base's linear weights (all but the output layer) are stored in
                 4-bit NF4 with double quantisation and dequantised inside each matmul; read straight into NF4
                 from a Hugging Face init_from, quantised after initialisation on a fresh model. Needs lora.
+            fp8: Train the linear layers' matmuls in FP8 (torchao's float8 linear layers): "tensorwise" (one scale
+                per tensor; the faster, and under FSDP2 the weights are all-gathered in float8) or "rowwise" (one
+                scale per row; the more accurate); null for none. The output layer, and any linear layer whose
+                dimensions are not multiples of 16, keep their precision. Needs a GPU of compute capability 8.9
+                or higher (refused elsewhere when the model is laid out); not with lora or quantize. Combine with
+                precision: bf16-mixed. See docs/distributed.md.
+            meta_init: Build the model on the meta device (shapes, no memory) and give each process only what it
+                holds once laid out: with strategy: fsdp2, its shard of every weight, read from a Hugging Face
+                init_from (each process reads only its slices) or drawn from the seed. For models bigger than
+                one host's memory; also on when the objective is built under trainer.init_module(empty_init=True)
+                with strategy: fsdp2. A fresh model's weights then depend on the seed alone, not on the process
+                count, but differ from those of a model built whole with the same seed. Not with lora, quantize,
+                an RWKV model, a .ckpt init_from, or a frozen reference copy (DPO, KTO, GRPO with beta > 0).
         """
         super().__init__()
         check_activation_checkpointing(activation_checkpointing)
         self.activation_checkpointing, self.compile_blocks = activation_checkpointing, compile
         check_quantize(quantize, lora)
-        self.model = load_transformer(arch, init_from, quantize=quantize)
+        check_fp8_options(fp8, lora, quantize)
+        self.fp8 = fp8
+        deferred = meta_init or torch.get_default_device().type == "meta"  # init_module(empty_init=True), FSDP2
+        if deferred:  # shapes only; configure_model fills each process's shards (astrai_pl/deferred_init.py)
+            self.model, self._weights_dir = meta_transformer(arch, init_from)
+            check_meta_build(self.model, lora, quantize)
+            self._init_seed = torch.initial_seed()
+        else:
+            self.model = load_transformer(arch, init_from, quantize=quantize)
         if self.model.lora_config is not None:  # init_from a LoRA run's checkpoint: its adapter joins the base
             merge_lora(self.model)
         self.arch = self.model.config
@@ -153,7 +188,8 @@ class Objective(L.LightningModule, ABC):
             self.strict_loading = False  # checkpoints hold the adapter only; on_load_checkpoint checks it
         self.tokenizer = tokenizer
         self.optimizer_fn, self.scheduler_fn = optimizer, scheduler
-        self.val_loss = MeanMetric()
+        with torch.device("cpu") if deferred else contextlib.nullcontext():
+            self.val_loss = MeanMetric()  # its state is moved with the module, never built on the meta device
         # Lightning reads the arguments of every __init__ on the stack: these and the subclass's own.
         self.save_hyperparameters(ignore=["tokenizer", "optimizer", "scheduler"])
 
@@ -245,8 +281,14 @@ class Objective(L.LightningModule, ABC):
         return f"model.init_args.arch.{name}={value}"
 
     def configure_model(self) -> None:
-        """Tensor parallel, activation checkpointing, compile and FSDP2, as configured (astrai_pl/parallel.py)."""
-        configure_model(self.model, self.trainer.strategy, self.activation_checkpointing, self.compile_blocks)
+        """FP8, tensor parallel, activation checkpointing, compile and FSDP2, as configured (astrai_pl/parallel.py);
+        then, for a model built on the meta device, each process's shards are filled (astrai_pl/deferred_init.py)."""
+        strategy = self.trainer.strategy
+        skeleton = meta_skeleton(self.model)  # before the layout: the whole shapes
+        configure_model(self.model, strategy, self.activation_checkpointing, self.compile_blocks, fp8=self.fp8)
+        if skeleton is not None:
+            seed = strategy.broadcast(self._init_seed)  # rank 0's: every process draws the same weights
+            materialize(self.model, skeleton, strategy.root_device, self._weights_dir, seed)
 
     # -- the steps: one shared body for train / val / test ----------------------------------------------
     @abstractmethod
@@ -327,6 +369,8 @@ class Objective(L.LightningModule, ABC):
             optimizer = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
         else:
             optimizer = self.optimizer_fn(groups)
+        if self.fp8 is not None:
+            fp8_scales_after_step(self.model, optimizer)
         if self.scheduler_fn is None:
             return optimizer
         scheduler = self.scheduler_fn(optimizer)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..model.config import ConfigError
+from ..parallel import check_fp8_recipe
 
 DPO_LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot",
                   "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
@@ -28,6 +29,14 @@ def require(ok: bool, option: str, value: Any, why: str) -> None:
 def check_label_smoothing(objective: str, label_smoothing: float) -> None:
     """ε of a smoothed cross-entropy: in [0, 1)."""
     require(0.0 <= label_smoothing < 1.0, f"{objective}.label_smoothing", label_smoothing, "must lie in [0, 1)")
+
+
+def check_fp8_options(fp8: str | None, lora: Any, quantize: str | None) -> None:
+    """The fp8 option of every objective: a known recipe, and not over a frozen base (lora, quantize)."""
+    check_fp8_recipe(fp8)
+    if fp8 is not None and (lora is not None or quantize is not None):
+        raise ConfigError(f"fp8={fp8!r} with {'quantize' if quantize else 'lora'}: FP8 trains the full linear "
+                          "weights, while LoRA freezes them (and NF4 stores them in 4 bits); drop one of them")
 
 
 def check_dpo_options(beta: float, loss_type: str | Sequence[str], label_smoothing: float,
