@@ -17,7 +17,7 @@ LAYERS = (
     ("evaluation",),  # lm-eval over the engine: the evaluate verb and the Evaluate callback use it
     ("commands",),  # generate / chat, and the engine loading every verb shares
     ("objectives",),  # the LightningModules
-    ("parallel",),  # configure_model: FSDP2, tensor parallel, activation checkpointing, compile
+    ("parallel", "deferred_init"),  # configure_model: FSDP2, TP, activation checkpointing, compile; meta builds
     ("strategy",),  # FSDP2Strategy and its sharded checkpoints
     ("data", "inference"),
     ("checkpoint",),  # persistence below everything that trains or serves
