@@ -17,6 +17,7 @@ import torch
 from datasets import Dataset, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 
+from ..hub import resolve_dataset
 from ..tokenizer import Tokenizer, load_tokenizer
 from .corpus import corpus_version, embedded_documents, is_held_out
 from .documents import check_jsonl_corpus, log_textless, require_text_column, textless_documents
@@ -53,8 +54,8 @@ def load_documents(path: str, text_field: str, cache_dir: str | None = None) -> 
         if p.suffix == ".jsonl":
             check_jsonl_corpus(p, text_field)
         ds = load_file(p, cache_dir)
-    else:
-        ds = load_dataset(path, split="train")
+    else:  # a hub id (owner/name[@revision]) is read from its snapshot's data files in the hub cache
+        ds = load_dataset(resolve_dataset(path), split="train")
     require_text_column(ds, text_field, path)
     return ds
 
