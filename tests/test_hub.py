@@ -1,0 +1,159 @@
+"""Models and data sets by hub id, read from a hub cache laid out on disk here, in offline mode: no test reaches
+a hub. The layout is the one huggingface_hub reads: <cache>/models--owner--name/{blobs,snapshots/<sha>,refs/main}."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+
+from astrai_pl.checkpoint.loading import load_transformer
+from astrai_pl.data import SFTData
+from astrai_pl.hub import HubError, HubName, hub_name, resolve_dataset, resolve_model, resolve_model_option
+from astrai_pl.model import ModelConfig, Transformer
+from astrai_pl.verbs import main
+
+
+def lay_out(cache: Path, repo_type: str, repo_id: str, files: dict[str, bytes], ref: str = "main") -> str:
+    """Put `files` into the hub cache as one snapshot of `repo_id`, named by `ref`; returns its commit."""
+    repo = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(json.dumps(sorted((k, len(v)) for k, v in files.items())).encode()).hexdigest()
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = repo / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return commit
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name("debug"))
+    folder = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(folder)
+    return model, {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty hub cache under tmp_path, offline; the working directory is tmp_path too (no stray owner/)."""
+    hub = tmp_path / "hf" / "hub"
+    hub.mkdir(parents=True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    return hub
+
+
+def test_which_names_are_hub_ids(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert hub_name("acme/tiny") == HubName("acme/tiny", None)
+    assert hub_name("acme/tiny@v1.0") == HubName("acme/tiny", "v1.0")
+    assert hub_name("acme/tiny", revision="abc") == HubName("acme/tiny", "abc")
+    assert hub_name("hf://acme/tiny") == HubName("acme/tiny", None)
+    assert hub_name("hf://datasets/acme/rows", repo_type="dataset") == HubName("acme/rows", None)
+    for path in ("my-model", "./acme/tiny", "/abs/acme", "runs/x/latest/hf", "acme/last.ckpt", "acme/rows.jsonl"):
+        assert hub_name(path) is None, path
+    (tmp_path / "acme" / "tiny").mkdir(parents=True)
+    assert hub_name("acme/tiny") is None  # an existing path is a path
+    assert hub_name("acme/other") is None  # under an existing folder: a missing local file, not a hub id
+    assert hub_name("hf://acme/tiny") == HubName("acme/tiny", None)  # hf:// always means the hub
+    with pytest.raises(HubError, match="'v1' and --revision says 'v2'"):
+        hub_name("elsewhere/tiny@v1", revision="v2")
+    with pytest.raises(HubError, match="local path"):
+        hub_name("acme/tiny", revision="v1")
+    with pytest.raises(HubError, match="not a hub id"):
+        hub_name("hf://just-a-name")
+
+
+def test_init_from_a_hub_id_loads_the_cached_snapshot(cache, tiny):
+    model, files = tiny
+    commit = lay_out(cache, "model", "acme/tiny", files)
+    assert resolve_model("acme/tiny") == str(cache / "models--acme--tiny" / "snapshots" / commit)
+    for name in ("acme/tiny", "hf://acme/tiny", f"acme/tiny@{commit}", "acme/tiny@main"):
+        loaded = load_transformer(None, name)
+        for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+            assert torch.equal(a, b), (name, k)
+
+
+def test_a_local_folder_wins_over_the_hub_id_it_spells(cache, tiny, tmp_path):
+    model, files = tiny
+    lay_out(cache, "model", "acme/tiny", files)
+    torch.manual_seed(1)
+    other = Transformer(ModelConfig.from_name("debug"))
+    other.save_pretrained(tmp_path / "acme" / "tiny")
+    first = next(iter(load_transformer(None, "acme/tiny").state_dict().values()))
+    assert torch.equal(first, next(iter(other.state_dict().values())))
+    assert not torch.equal(first, next(iter(model.state_dict().values())))
+
+
+def test_missing_id_unknown_revision_and_pickle_only_repos_are_named(cache, tiny):
+    _, files = tiny
+    with pytest.raises(HubError, match=r"'acme/absent'.*HF_HUB_OFFLINE=1.*HF_TOKEN"):
+        resolve_model("acme/absent")
+    lay_out(cache, "model", "acme/tiny", files)
+    with pytest.raises(HubError, match=r"'acme/tiny' at revision 'v9'.*HF_HUB_OFFLINE"):
+        resolve_model("acme/tiny", revision="v9")
+    lay_out(cache, "model", "acme/pickled", {"config.json": files["config.json"], "pytorch_model.bin": b"x"})
+    with pytest.raises(HubError, match="'acme/pickled'.*only safetensors"):
+        load_transformer(None, "acme/pickled")
+
+
+def test_generate_and_convert_take_a_hub_id(cache, tiny, tmp_path, capsys):
+    model, files = tiny
+    lay_out(cache, "model", "acme/tiny", files)
+    main(["generate", "--model", "acme/tiny", "--revision", "main", "--prompt", "hi", "--max-tokens", "3",
+          "--temperature", "0", "--no-chat-template"])
+    assert capsys.readouterr().out.strip()  # three generated tokens, printed
+    main(["convert", "--ckpt", "acme/tiny", "--output", str(tmp_path / "out")])
+    copy = Transformer.from_pretrained(tmp_path / "out")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), copy.state_dict().values()))
+    with pytest.raises(SystemExit, match=r"astrai-pl convert: hub model 'acme/absent'.*HF_HUB_OFFLINE"):
+        main(["convert", "--ckpt", "acme/absent", "--output", str(tmp_path / "none")])
+
+
+def test_a_server_names_the_model_by_its_hub_id(cache, tiny):
+    lay_out(cache, "model", "acme/tiny", tiny[1])
+    ns = argparse.Namespace(model="acme/tiny@main", revision=None, served_model_name=None)
+    resolve_model_option(ns)
+    assert ns.served_model_name == "acme/tiny" and Path(ns.model).is_dir()
+    resolve_model_option(ns)  # resolving again leaves the folder as it is
+    assert ns.served_model_name == "acme/tiny" and Path(ns.model).is_dir()
+
+
+def test_data_path_reads_a_hub_data_set_from_the_cache(cache):
+    rows = [{"prompt": f"Q{i}: 2+2?", "completion": " 4"} for i in range(24)]
+    jsonl = "\n".join(json.dumps(r) for r in rows).encode()
+    held_out = "\n".join(json.dumps(r) for r in rows[:3]).encode()
+    lay_out(cache, "dataset", "acme/rows", {"data/train.jsonl": jsonl, "data/test.jsonl": held_out})
+    assert resolve_dataset("acme/rows@main").startswith(str(cache / "datasets--acme--rows"))
+    data = SFTData(path="acme/rows", packing="none", max_seq_len=32, val_split="test")
+    data.setup()
+    assert len(data.train_set) == 24 and len(data.val_set) == 3
+    with pytest.raises(HubError, match=r"hub dataset 'acme/none'.*HF_HUB_OFFLINE"):
+        SFTData(path="acme/none", packing="none", max_seq_len=32).setup()
+
+
+def test_the_environment_chooses_the_cache_and_offline_mode(tmp_path, tiny):
+    """HF_HOME and HF_HUB_OFFLINE as a user sets them, read by huggingface_hub when it is imported."""
+    lay_out(tmp_path / "home" / "hub", "model", "acme/tiny", tiny[1])
+    env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env.pop("HF_HUB_CACHE", None)
+    code = "from astrai_pl.hub import resolve_model; print(resolve_model('acme/tiny'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(str(tmp_path / "home" / "hub" / "models--acme--tiny" / "snapshots"))
