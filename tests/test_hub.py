@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from astrai_pl.checkpoint.loading import load_transformer
-from astrai_pl.data import SFTData
+from astrai_pl.data import PretrainData, SFTData
 from astrai_pl.hub import HubError, HubName, hub_name, resolve_dataset, resolve_model, resolve_model_option
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.verbs import main
@@ -145,6 +145,17 @@ def test_data_path_reads_a_hub_data_set_from_the_cache(cache):
     assert len(data.train_set) == 24 and len(data.val_set) == 3
     with pytest.raises(HubError, match=r"hub dataset 'acme/none'.*HF_HUB_OFFLINE"):
         SFTData(path="acme/none", packing="none", max_seq_len=32).setup()
+
+
+def test_pretraining_documents_from_a_hub_data_set_cache_by_its_snapshot(cache, tmp_path):
+    docs = [json.dumps({"text": f"document {i} " * 20}) for i in range(40)]
+    lay_out(cache, "dataset", "acme/docs", {"train.jsonl": "\n".join(docs).encode()})
+    data = PretrainData(path="acme/docs", seq_len=32, val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    data.setup()
+    assert len(data.train_set) > 0 and len(data.val_set) > 0
+    before = data._cache_key()
+    lay_out(cache, "dataset", "acme/docs", {"train.jsonl": "\n".join(docs[:20]).encode()})  # main moves on
+    assert PretrainData(path="acme/docs", seq_len=32, cache_dir=str(tmp_path / "cache"))._cache_key() != before
 
 
 def test_the_environment_chooses_the_cache_and_offline_mode(tmp_path, tiny):

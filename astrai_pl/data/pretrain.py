@@ -143,7 +143,7 @@ class PretrainData(L.LightningDataModule):
 
     def _cache_key(self) -> str:
         hp = self.hparams
-        source = corpus_version() if hp.path is None else source_fingerprint(hp.path)
+        source = corpus_version() if hp.path is None else source_fingerprint(resolve_dataset(hp.path))
         blob = json.dumps([source, tokenizer_fingerprint(self.tokenizer), hp.seq_len, hp.val_fraction, hp.seed,
                            hp.text_field])
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
