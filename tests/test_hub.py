@@ -168,3 +168,58 @@ def test_the_environment_chooses_the_cache_and_offline_mode(tmp_path, tiny):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith(str(tmp_path / "home" / "hub" / "models--acme--tiny" / "snapshots"))
+
+
+ONLINE = """
+import json, sys
+from pathlib import Path
+from astrai_pl.hub import HubError, resolve_dataset, resolve_model
+out = {}
+for kind, name in json.loads(sys.argv[1]):
+    try:
+        folder = (resolve_model if kind == "model" else resolve_dataset)(name)
+        out[name] = sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file())
+    except HubError as err:
+        out[name] = str(err)
+print(json.dumps(out))
+"""
+
+
+def run_online(tmp_path, endpoint: str, names: list[tuple[str, str]]) -> dict:
+    """`names` resolved in a fresh process whose environment points huggingface_hub at `endpoint`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()}
+    env.update(HF_HOME=str(tmp_path / "home"), HF_ENDPOINT=endpoint, HF_HUB_DISABLE_TELEMETRY="1",
+               PYTHONPATH=str(Path(__file__).parents[1]), NO_PROXY="127.0.0.1")
+    done = subprocess.run([sys.executable, "-c", ONLINE, json.dumps(names)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_online_fetch_takes_safetensors_and_data_files_only_and_names_what_is_missing(tmp_path, tiny):
+    from hub_server import FakeHub
+
+    hub = FakeHub()
+    try:
+        hub.add("models", "acme/tiny", {**tiny[1], "pytorch_model.bin": b"pickle", "modeling_tiny.py": b"import os"})
+        rows = "\n".join(json.dumps({"prompt": "2+2?", "completion": " 4"}) for _ in range(4)).encode()
+        hub.add("datasets", "acme/rows", {"data/train.jsonl": rows, "rows.py": b"import os", "README.md": b"# rows"})
+        got = run_online(tmp_path, hub.endpoint, [("model", "acme/tiny"), ("dataset", "acme/rows"),
+                                                   ("model", "acme/absent"), ("model", "acme/tiny@v9")])
+    finally:
+        hub.close()
+    assert got["acme/tiny"] == sorted(n for n in tiny[1])  # config, safetensors, generation config
+    assert got["acme/rows"] == ["README.md", "data/train.jsonl"]
+    assert not [r for r in hub.requests if r.endswith((".bin", ".py"))]  # never asked for
+    assert "'acme/absent' was not found on the hub" in got["acme/absent"] and "HF_TOKEN" in got["acme/absent"]
+    assert "'acme/tiny' at revision 'v9': no such revision" in got["acme/tiny@v9"]
+
+
+def test_an_unreachable_hub_without_a_cached_copy_is_named(tmp_path):
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on once this block ends
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    got = run_online(tmp_path, f"http://127.0.0.1:{port}", [("model", "acme/tiny")])
+    assert "'acme/tiny': the hub could not be reached and the hub cache holds no copy" in got["acme/tiny"]
