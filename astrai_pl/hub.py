@@ -110,8 +110,11 @@ def _snapshot(hub: HubName, repo_type: str, patterns: list[str]) -> Path:
     try:
         return Path(snapshot_download(hub.repo_id, repo_type=repo_type, revision=hub.revision,
                                       allow_patterns=patterns, ignore_patterns=NO_CODE))
-    except Exception as err:  # noqa: BLE001  (each hub failure is named below, the rest re-raised)
-        raise _hub_error(err, what, constants.HF_HUB_OFFLINE) from err
+    except Exception as err:  # each hub failure is named by _hub_error; anything else goes on as it was
+        named = _hub_error(err, what, constants.HF_HUB_OFFLINE)
+        if named is err:
+            raise
+        raise named from err
 
 
 def _hub_error(err: Exception, what: str, offline: bool) -> Exception:
@@ -136,8 +139,10 @@ def _hub_error(err: Exception, what: str, offline: bool) -> Exception:
         return HubError(f"{what}: {why} and the hub cache holds no copy of it. Fix: check the id, or fetch it once "
                         "with the network on (HF_HUB_OFFLINE unset, a token in HF_TOKEN if it is private), or point "
                         "HF_HOME / HF_HUB_CACHE at a cache that holds it")
+    first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
     if isinstance(err, HfHubHTTPError):
-        return HubError(f"{what}: the hub answered {err}. Fix: check the id and HF_TOKEN, or retry later")
+        return HubError(f"{what}: the hub answered {first_line}. Fix: check the id and HF_TOKEN, or retry later")
     if type(err).__name__ == "IncompleteSnapshotError":
-        return HubError(f"{what}: the cached copy is incomplete ({err}). Fix: fetch it again with the network on")
+        return HubError(f"{what}: the cached copy is incomplete ({first_line}). Fix: fetch it again with the "
+                        "network on")
     return err
