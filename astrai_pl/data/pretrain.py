@@ -106,7 +106,8 @@ class PretrainData(L.LightningDataModule):
     ):
         """
         Args:
-            path: Local txt/json/jsonl/parquet file, a saved `datasets` directory or a hub name; None = embedded corpus.
+            path: Local txt/json/jsonl/parquet file, a saved `datasets` directory or a hub id
+                (owner/name[@revision], see docs/data.md); None = embedded corpus.
                 With streaming also a glob or a list of files (jsonl/json, parquet, txt, arrow, csv).
             tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
             seq_len: Tokens per training window.
