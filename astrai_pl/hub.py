@@ -28,9 +28,10 @@ from typing import Any, NamedTuple
 HUB_PREFIX = "hf://"
 REPO_PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 HUB_NAME = re.compile(rf"({REPO_PART}/{REPO_PART})(?:@([^\s@]+))?")
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json"]
 MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
-               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-               "chat_template.jinja", "chat_template.json"]
+               *TOKENIZER_FILES]
 DATA_FILES = ["*.parquet", "*.jsonl", "*.json", "*.csv", "*.txt", "README.md"]
 LOCAL_SUFFIXES = (".ckpt", ".safetensors", ".jsonl", ".json", ".parquet", ".txt", ".csv")
 NO_CODE = ["*.py", "*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt"]  # never fetched, whatever the patterns above say
@@ -79,6 +80,19 @@ def resolve_model(name: str | Path, revision: str | None = None) -> str:
         raise HubError(f"hub model {hub.repo_id!r} ({folder}) holds no config.json with safetensors weights; "
                        "astrai-pl reads only safetensors (pickled *.bin weights can run code when loaded). Fix: "
                        "pick a revision or a copy of the model that ships model.safetensors")
+    return str(folder)
+
+
+def resolve_tokenizer(name: str | Path, revision: str | None = None) -> str:
+    """Where to read the tokenizer `name` names: `name` itself when it is a local path (or 'byte'), else the
+    folder of the hub repo's tokenizer files (no weights fetched)."""
+    hub = hub_name(name, revision)
+    if hub is None:
+        return str(name)
+    folder = _snapshot(hub, "model", TOKENIZER_FILES)
+    if not (folder / "tokenizer.json").is_file():
+        raise HubError(f"hub model {hub.repo_id!r} ({folder}) has no tokenizer.json, the only tokenizer file read "
+                       "here. Fix: pick a repo (or revision) that ships one, or pass a local tokenizer folder")
     return str(folder)
 
 

@@ -223,3 +223,17 @@ def test_an_unreachable_hub_without_a_cached_copy_is_named(tmp_path):
         port = closed.getsockname()[1]
     got = run_online(tmp_path, f"http://127.0.0.1:{port}", [("model", "acme/tiny")])
     assert "'acme/tiny': the hub could not be reached and the hub cache holds no copy" in got["acme/tiny"]
+
+
+def test_a_tokenizer_by_hub_id_reads_only_its_files(cache, tmp_path):
+    from astrai_pl.tokenizer import Tokenizer, load_tokenizer
+
+    saved = tmp_path / "tok"
+    Tokenizer.byte_level().save_pretrained(saved)
+    lay_out(cache, "model", "acme/tok", {p.name: p.read_bytes() for p in saved.iterdir() if p.is_file()})
+    text = "What is 2 + 3?"
+    assert load_tokenizer("acme/tok").encode(text) == Tokenizer.byte_level().encode(text)
+    assert load_tokenizer("acme/tok").chat_template == Tokenizer.byte_level().chat_template
+    lay_out(cache, "model", "acme/no-tok", {"config.json": b"{}"})
+    with pytest.raises(HubError, match="'acme/no-tok'.*no tokenizer.json"):
+        load_tokenizer("acme/no-tok")

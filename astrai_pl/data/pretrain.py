@@ -109,7 +109,7 @@ class PretrainData(L.LightningDataModule):
             path: Local txt/json/jsonl/parquet file, a saved `datasets` directory or a hub id
                 (owner/name[@revision], see docs/data.md); None = embedded corpus.
                 With streaming also a glob or a list of files (jsonl/json, parquet, txt, arrow, csv).
-            tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
+            tokenizer: 'byte' (built in), a Hugging Face tokenizer directory, or a hub id (its tokenizer files).
             seq_len: Tokens per training window.
             batch_size: Windows per micro-batch.
             val_fraction: Share of documents held out for validation (chosen by a hash of the title or row index).
