@@ -16,7 +16,9 @@ CHAT_HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits"
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", required=True,
-                       help="a Hugging Face directory, a .ckpt written by astrai-pl fit, or a sharded checkpoint folder")
+                       help="a Hugging Face directory, a .ckpt written by astrai-pl fit, a sharded checkpoint folder, "
+                            "or a hub id (owner/name, hf://owner/name; an existing local path wins)")
+    group.add_argument("--revision", default=None, help="branch, tag or commit of a hub id in --model")
     group.add_argument("--adapter", default=None,
                        help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors, written "
                             "here or by PEFT) for the base --model; merged into its weights before serving")

@@ -35,6 +35,7 @@ from .checkpoint.archive import interrupted_copy
 from .checkpoint.runs import resolve_latest
 from .command_options import CHAT_HELP, chat_parser, generate_parser
 from .command_options import add_model_arguments as _add_model_arguments  # noqa: F401  (serve, evaluate)
+from .hub import resolve_model_option
 from .inference import CapacityError, Engine, InferenceError, SamplingParams, SamplingParamsError, Session
 from .jsonl import UTF8_FIX, NotUtf8, UnreadableJson, decode_utf8, parse_json
 from .model import Transformer
@@ -105,6 +106,7 @@ def load_engine(ns: argparse.Namespace) -> tuple[Engine, Tokenizer, list[int]]:
     """The engine on `--model` (with `--adapter` merged in), its tokenizer, and the extra end ids of a Hugging
     Face directory. Served weights stay fixed, so an adapter is merged: the engine then multiplies by one
     weight per projection, as for any model, instead of adding B·A·x on every token."""
+    resolve_model_option(ns)  # a hub id in --model becomes its snapshot's folder in the hub cache
     model = load_adapted(ns.model, ns.adapter)
     if model.lora_config is not None:
         merge_lora(model)

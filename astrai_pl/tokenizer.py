@@ -21,6 +21,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors,
 from tokenizers import Tokenizer as Backend
 
 from .atomic import write_atomically
+from .hub import resolve_tokenizer
 
 SPECIAL_TOKEN_KEYS = tuple(f"{name}_token" for name in ("bos", "eos", "unk", "sep", "pad", "cls", "mask"))
 BYTE_SPECIALS = ("<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>")
@@ -476,7 +477,7 @@ def train_bpe(
 
 
 def load_tokenizer(spec: str | Tokenizer) -> Tokenizer:
-    """'byte' for the built-in byte-level tokenizer, else a Hugging Face tokenizer directory."""
+    """'byte' for the built-in byte-level tokenizer, else a Hugging Face tokenizer directory or hub id."""
     if isinstance(spec, Tokenizer):
         return spec
-    return Tokenizer.byte_level() if spec == "byte" else Tokenizer.from_pretrained(spec)
+    return Tokenizer.byte_level() if spec == "byte" else Tokenizer.from_pretrained(resolve_tokenizer(spec))

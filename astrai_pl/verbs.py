@@ -151,7 +151,9 @@ def convert_verb(argv: list[str]) -> None:
         description="Export one of our checkpoints as a Hugging Face directory; a model with a LoRA adapter as a "
                     "PEFT adapter directory, or with --merge-lora as a Hugging Face directory with the adapter "
                     "folded into its weights.")
-    parser.add_argument("--ckpt", required=True, help="a .ckpt written by astrai-pl fit, or a Hugging Face dir")
+    parser.add_argument("--ckpt", required=True,
+                        help="a .ckpt written by astrai-pl fit, a Hugging Face dir, or a hub id (owner/name)")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a hub id in --ckpt")
     parser.add_argument("--output", required=True,
                         help="the folder to write; in an existing one, files it does not write are kept")
     parser.add_argument("--overwrite", action="store_true",
@@ -165,10 +167,12 @@ def convert_verb(argv: list[str]) -> None:
                              "write a plain Hugging Face model directory instead of the adapter")
     ns = parser.parse_args(argv)
     from .commands import USER_ERRORS, CommandError, load_adapted
+    from .hub import resolve_model_option
     from .model.lora import merge_lora
     from .tokenizer import load_tokenizer
 
     try:
+        resolve_model_option(ns, "ckpt")
         model = load_adapted(ns.ckpt, ns.adapter, option="--ckpt")
         if ns.merge_lora and model.lora_config is None:
             raise CommandError(f"--merge-lora: {ns.ckpt} holds no LoRA adapter; pass one with --adapter DIR, or "

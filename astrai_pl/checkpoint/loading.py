@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..hub import resolve_model
 from ..model import LoraConfig, ModelConfig, Transformer
 from ..model.config import ConfigError
 from ..model.hf import CheckpointError, NonFiniteWeightError, export_dir, nonfinite_tensors, read_config
@@ -38,6 +39,7 @@ def load_transformer(arch: ModelConfig | dict | None, init_from: str | None, qua
     with its adapter over its base as that run trained it, for the caller to merge before quantising."""
     if init_from is None:
         return _quantized(Transformer(as_config(arch)), quantize)
+    init_from = resolve_model(init_from)  # a hub id (owner/name[@revision]): its snapshot in the hub cache
     init_from = resolve_latest(init_from)  # runs/x/latest/…: a pointer file names its run directory
     path, folder = Path(init_from), export_dir(init_from)  # or the complete export a cut-off replace left
     if folder.is_dir() and not is_sharded_checkpoint(folder):

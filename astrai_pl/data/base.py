@@ -46,9 +46,10 @@ class RowsData(L.LightningDataModule):
         Args:
             path: Rows in the module's format (SFTData: messages, prompt/completion or text; DPOData:
                 prompt/chosen/rejected; GRPOData: a prompt and the columns rewards read; KTOData:
-                prompt/completion/label): a jsonl/json/parquet/txt file, a saved `datasets` directory or a hub name;
+                prompt/completion/label): a jsonl/json/parquet/txt file, a saved `datasets` directory or a hub id
+                (owner/name[@revision]: its data files, no loading script; see docs/data.md);
                 None = the built-in arithmetic task (`synthetic`).
-            tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
+            tokenizer: 'byte' (built in), a Hugging Face tokenizer directory, or a hub id (its tokenizer files).
             sections: How a row becomes tokens and a loss mask: a preset name (SFTData: messages, chat, text,
                 prompt_completion; DPOData: preference, preference_text, with one Section on 'chosen' and one on
                 'rejected'; GRPOData: grpo, the prompt through the chat template ending

@@ -17,6 +17,7 @@ import torch
 from datasets import Dataset, load_dataset, load_from_disk
 from torch.utils.data import DataLoader
 
+from ..hub import resolve_dataset
 from ..tokenizer import Tokenizer, load_tokenizer
 from .corpus import corpus_version, embedded_documents, is_held_out
 from .documents import check_jsonl_corpus, log_textless, require_text_column, textless_documents
@@ -53,8 +54,8 @@ def load_documents(path: str, text_field: str, cache_dir: str | None = None) -> 
         if p.suffix == ".jsonl":
             check_jsonl_corpus(p, text_field)
         ds = load_file(p, cache_dir)
-    else:
-        ds = load_dataset(path, split="train")
+    else:  # a hub id (owner/name[@revision]) is read from its snapshot's data files in the hub cache
+        ds = load_dataset(resolve_dataset(path), split="train")
     require_text_column(ds, text_field, path)
     return ds
 
@@ -105,9 +106,10 @@ class PretrainData(L.LightningDataModule):
     ):
         """
         Args:
-            path: Local txt/json/jsonl/parquet file, a saved `datasets` directory or a hub name; None = embedded corpus.
+            path: Local txt/json/jsonl/parquet file, a saved `datasets` directory or a hub id
+                (owner/name[@revision], see docs/data.md); None = embedded corpus.
                 With streaming also a glob or a list of files (jsonl/json, parquet, txt, arrow, csv).
-            tokenizer: 'byte' (built in) or a Hugging Face tokenizer directory.
+            tokenizer: 'byte' (built in), a Hugging Face tokenizer directory, or a hub id (its tokenizer files).
             seq_len: Tokens per training window.
             batch_size: Windows per micro-batch.
             val_fraction: Share of documents held out for validation (chosen by a hash of the title or row index).
@@ -142,7 +144,7 @@ class PretrainData(L.LightningDataModule):
 
     def _cache_key(self) -> str:
         hp = self.hparams
-        source = corpus_version() if hp.path is None else source_fingerprint(hp.path)
+        source = corpus_version() if hp.path is None else source_fingerprint(resolve_dataset(hp.path))
         blob = json.dumps([source, tokenizer_fingerprint(self.tokenizer), hp.seq_len, hp.val_fraction, hp.seed,
                            hp.text_field])
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

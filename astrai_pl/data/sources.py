@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 from lightning.pytorch.utilities import rank_zero_info
 
+from ..hub import resolve_dataset
 from ..model.config import ConfigError
 from .corpus import is_held_out
 from .files import FILE_LOADERS, load_file
@@ -146,8 +147,8 @@ def read_rows(
         dataset = load_from_disk(str(p))
     elif p.suffix in FILE_LOADERS:
         dataset = load_file(p, cache_dir, on_bad_row, dropped)
-    else:
-        dataset = load_dataset(path, cache_dir=cache_dir)
+    else:  # a hub id (owner/name[@revision]) is read from its snapshot's data files in the hub cache
+        dataset = load_dataset(resolve_dataset(path), cache_dir=cache_dir)
     if isinstance(dataset, DatasetDict):
         if split not in dataset:
             raise DataError(

@@ -126,8 +126,9 @@ class Objective(L.LightningModule, ABC):
         """
         Args:
             arch: Shape of a freshly initialised model (ignored when init_from is set).
-            init_from: Start from these weights: a Hugging Face directory or an astrai-pl .ckpt (e.g. the
-                previous stage's last.ckpt). DPO's reference policy, and GRPO's when beta > 0, is a frozen
+            init_from: Start from these weights: a Hugging Face directory, an astrai-pl .ckpt (e.g. the
+                previous stage's last.ckpt), or a hub id (owner/name[@revision], safetensors only; an existing
+                local path of the same spelling wins; see docs/model.md). DPO's reference policy, and GRPO's when beta > 0, is a frozen
                 copy of them.
             tokenizer: Set from the data module; used by export callbacks and sample generation, and by GRPO
                 to decode completions for the reward functions.
