@@ -314,7 +314,7 @@ def test_a_request_refused_for_capacity_does_not_block_later_ones(
     history, big, small = random_prompts([44, 25, 6], seed=46)
     chat = engine.session()
     chat.append(history)  # pins 11 pages
-    with pytest.raises(CapacityError, match="no queued request fits"):
+    with pytest.raises(CapacityError, match="does not fit in the pool beside what sessions pin"):
         engine.generate([big], SamplingParams(max_tokens=4))  # fits an empty pool, not this one
     assert not engine.has_unfinished()
     [out] = engine.generate([small], GREEDY)
