@@ -334,3 +334,22 @@ def test_abort_stops_every_sample_of_a_request(model, make_engine, random_prompt
     assert not engine.has_unfinished()
     usage = engine.check()
     assert usage.free == usage.total
+
+
+def test_a_request_that_cannot_fit_beside_sessions_fails_alone_and_the_queue_behind_it_is_served(
+    model, make_engine, reference_greedy, random_prompts
+):
+    engine = make_engine(model, page_size=4, max_total_tokens=64)  # 16 pages
+    history, big, small = random_prompts([44, 25, 6], seed=48)
+    chat = engine.session()
+    chat.append(history)  # pins 11 pages
+    with engine:  # the background loop steps, as a server's does
+        doomed = engine.submit(big, SamplingParams(max_tokens=4, temperature=0))  # fits only an empty pool
+        behind = [engine.submit(small, GREEDY) for _ in range(2)]
+        with pytest.raises(CapacityError):
+            doomed.result()
+        for handle in behind:
+            [out] = handle.result()
+            assert out.token_ids == reference_greedy(model, small, 8)
+    chat.close()
+    assert_serves_normally(engine, model, reference_greedy)

@@ -34,20 +34,19 @@ def encoded(monkeypatch):
     return calls
 
 
-def test_text_that_cannot_fit_the_context_is_refused_before_it_is_encoded(http, state, encoded):
-    limit, context = state.text_limit
-    assert limit < 2**20 and context == 512  # the byte tokenizer: a token is one byte at most
-    big = "x" * 2**20
+def test_text_that_cannot_fit_the_context_is_refused_before_it_is_encoded(http, encoded):
+    big = "x" * 2**20  # the context holds 512 tokens, a token of the byte tokenizer stands for 14 characters at most
     for route, body in ((COMPLETIONS, {"prompt": big}), (COMPLETIONS, {"prompt": ["hi", big]}),
                         (CHAT, {"messages": [{"role": "user", "content": big}]})):
         error = error_of(http.post(route, json={"model": MODEL, "max_tokens": 1, **body}), 400)
         assert "characters" in error["message"] and error["param"] in ("prompt", "messages"), error
-    assert all(n <= limit for _, lengths in encoded for n in lengths), encoded
+    assert all(n <= 512 * 14 for _, lengths in encoded for n in lengths), encoded
     still_serves(http)
 
 
 def test_a_text_just_inside_the_bound_is_still_encoded_and_judged_by_its_tokens(http, state):
-    limit, _ = state.text_limit
+    limit, context = state.text_limit
+    assert (limit, context) == (512 * len("<|reserved_5|>"), 512)  # its longest token: a special one
     error = error_of(http.post(COMPLETIONS, json={"model": MODEL, "prompt": "x" * limit, "max_tokens": 1}), 400)
     assert "tokens" in error["message"] and "characters" not in error["message"]
 
