@@ -30,26 +30,28 @@ async def turns_at_once(url: str, count: int, max_tokens: int) -> list[httpx.Res
         return await asyncio.gather(*(http.post(f"/v1/sessions/{sid}/chat/completions", json=body) for sid in ids))
 
 
-def test_session_turns_reserve_their_replies_and_stateless_requests_keep_their_room(quiet_engine, tokenizer):
-    store = SessionStore(quiet_engine, max_tokens=2048)  # 128 of the 256 pages
-    state = ServerState(quiet_engine, tokenizer, MODEL, sessions=store)
+def test_session_turns_reserve_their_replies_and_stateless_requests_keep_their_room(model_dir, tokenizer):
+    engine = Engine(Transformer.from_pretrained(model_dir).eval(), tokenizer, max_total_tokens=1024)  # 64 pages
+    store = SessionStore(engine, max_tokens=512)  # 32 of them
+    state = ServerState(engine, tokenizer, MODEL, sessions=store)
     with running(state) as url:
-        answers = asyncio.run(turns_at_once(url, 8, 480))
+        answers = asyncio.run(turns_at_once(url, 8, 120))  # 8 turns of 9 pages each would pin 72
         served = [r for r in answers if r.status_code == 200]
         refused = [r for r in answers if r.status_code != 200]
         assert served and refused, [r.status_code for r in answers]
         assert all(r.status_code == 429 and r.json()["error"]["code"] == "session_memory_full" for r in refused)
-        assert all(r.json()["usage"]["completion_tokens"] == 480 for r in served)
+        assert all(r.json()["usage"]["completion_tokens"] == 120 for r in served)
         assert store.pinned_pages() <= store.max_pages  # what --max-session-tokens says
         with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
-            plain = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 480, "ignore_eos": True})
+            plain = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 400, "ignore_eos": True})
             assert plain.status_code == 200, plain.text
             sid = http.post("/v1/sessions", json={}).json()["id"]
             left = http.post(f"/v1/sessions/{sid}/chat/completions",  # no max_tokens: what the limit leaves
-                             json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+                             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": None})
             assert left.status_code in (200, 429), left.text
             assert store.pinned_pages() <= store.max_pages
     store.close_all()
+    engine.stop()
 
 
 def cached(http, headers=None, secret=SECRET, **body) -> int | None:
