@@ -8,7 +8,6 @@ import asyncio
 import gc
 import socket
 import threading
-import time
 
 import httpx
 import pytest
