@@ -18,7 +18,6 @@ an application that puts third-party text into messages has to strip such marker
 from __future__ import annotations
 
 import math
-import numbers
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,59 +29,16 @@ from ..inference import Completion, Delta, SamplingParams, SamplingParamsError
 from ..tokenizer import TokenizerError, byte_symbols
 from .bodies import ChatRequest, CompletionRequest, SamplingFields, parse_body
 from .errors import APIError, bad_request, from_sampling_error
+from .limits import MAX_CHOICES, MAX_LOGPROB_ENTRIES, check_choice_count, check_text_size, is_id, prompt_count
 
-MAX_CHOICES = 1024  # prompts × n in one request
 MAX_MESSAGES = 8192  # messages of one conversation: the chat template renders them in Python
 MAX_STOPS = {"stop": 16, "stop_token_ids": 256}  # each is checked on every token: a long list slows every request
 MAX_STOP_CHARS = 256  # on every token the engine searches the text's last len(stop) characters for each stop
-MAX_LOGPROB_ENTRIES = 2**17  # log-probabilities (chosen and alternatives) one request's choices may hold in memory:
-# about 7 MiB of JSON; a single choice of 4,096 tokens with 20 alternatives each (86,016) fits
-NORMALIZER_SLACK = 4  # characters a tokenizer's normalizer may fold into one (NFC composes at most 3 jamo)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 
 # -- request → engine ---------------------------------------------------------------------------------------
-def _is_id(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
-
-
-def longest_token_chars(tokenizer) -> int:
-    """The most characters one token of `tokenizer` stands for: its longest piece (a byte-level piece has a
-    symbol per byte, at least as many as its characters; an added token is its content), at least 1."""
-    longest = 1
-    for token_id in range(tokenizer.vocab_size):
-        piece = tokenizer.id_to_token(token_id)
-        if piece is not None and len(piece) > longest:
-            longest = len(piece)
-    return longest
-
-
-def text_limit(tokenizer, context: int) -> int:
-    """Characters past which a text cannot encode to fewer than `context` tokens: no token stands for more
-    than `longest_token_chars` of them (times NORMALIZER_SLACK when a normalizer may fold characters first).
-    A longer text is refused before it is encoded, which costs hundreds of bytes per character."""
-    slack = NORMALIZER_SLACK if tokenizer.backend.normalizer is not None else 1
-    return context * longest_token_chars(tokenizer) * slack
-
-
-def check_text_size(chars: int, limit: int, context: int, param: str, what: str) -> None:
-    """A 400 for text of `chars` characters over `limit` (see `text_limit`), before it is encoded."""
-    if chars > limit:
-        raise bad_request(f"{what} has {chars} characters, more than the {limit} that could encode to fewer "
-                          f"than the context's {context} tokens (prompt and completion together); shorten it",
-                          param)
-
-
-def check_choice_count(num_prompts: int, n, param_prompt: str = "prompt") -> None:
-    """A 400 for more than MAX_CHOICES completions, before any prompt is encoded (a bad n is checked later)."""
-    n = n if _is_id(n) and n >= 1 else 1
-    if num_prompts * n > MAX_CHOICES:
-        raise bad_request(f"{num_prompts} prompts × n={n} make {num_prompts * n} completions, the server makes "
-                          f"at most {MAX_CHOICES} per request; split the request", "n" if num_prompts == 1
-                          else param_prompt)
 
 
 def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -105,13 +61,6 @@ def templated_ids(tokenizer, messages: list[dict], generation_prompt: bool = Tru
     return bos_first(tokenizer, ids)
 
 
-def prompt_count(prompt) -> int:
-    """How many prompts `prompt` holds, judged from its shape alone (nothing is encoded)."""
-    if isinstance(prompt, list) and prompt and not _is_id(prompt[0]):
-        return len(prompt)
-    return 1
-
-
 def completion_prompts(prompt, tokenizer, limit: tuple[int, int] | None = None
                        ) -> tuple[list[list[int]], list[str | None]]:
     """Each prompt's ids, and its text when it came as text (None for ids). `limit`: (characters, context)
@@ -126,9 +75,9 @@ def completion_prompts(prompt, tokenizer, limit: tuple[int, int] | None = None
             for i, text in enumerate(prompt if limit is not None else ()):
                 check_text_size(len(text), *limit, "prompt", f"prompt[{i}]")
             return encode_texts(tokenizer, prompt), list(prompt)
-        if all(_is_id(t) for t in prompt):
+        if all(is_id(t) for t in prompt):
             return [list(prompt)], [None]
-        if all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(is_id(t) for t in p) for p in prompt):
             return [list(p) for p in prompt], [None] * len(prompt)
     raise bad_request(f"'prompt' must be {PROMPT_SHAPES}", "prompt")
 

@@ -18,8 +18,8 @@ from typing import Any
 from ..inference import Engine, RequestHandle
 from ..tokenizer import Tokenizer
 from .errors import APIError
+from .limits import text_limit
 from .metrics import Metrics
-from .protocol import text_limit
 
 
 @dataclass(eq=False)
