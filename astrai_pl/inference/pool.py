@@ -132,23 +132,24 @@ class KVPool:
             self.req_to_token.write([row] * len(positions), positions, self.slots(pages, start * ps, stop))
         return end - start
 
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], int]:
-        """Cached pages of the longest page-aligned prefix of `tokens`, referenced for the caller."""
+    def match_prefix(self, tokens: list[int], salt: str | None = None) -> tuple[list[int], int]:
+        """Cached pages of the longest page-aligned prefix of `tokens` under `salt`, referenced for the caller."""
         if self.radix is None:
             return [], 0
-        pages, matched = self.radix.match(tokens)
+        pages, matched = self.radix.match(tokens, salt)
         self.allocator.incref(pages)
         return pages, matched
 
-    def cache_prefix(self, tokens: list[int], pages: list[int], num_computed: int) -> list[int]:
-        """Insert the full pages of tokens[:num_computed]; returns `pages` with duplicates replaced.
+    def cache_prefix(self, tokens: list[int], pages: list[int], num_computed: int, salt: str | None = None
+                     ) -> list[int]:
+        """Insert the full pages of tokens[:num_computed] under `salt`; returns `pages` with duplicates replaced.
 
         A page the cache already held for the same prefix replaces the caller's copy, which is released.
         """
         full = num_computed // self.page_size
         if self.radix is None or full == 0 or pages[0] == self.dead_page:  # released: no whole prefix left
             return pages
-        cached = self.radix.insert(tokens[: full * self.page_size], pages[:full])
+        cached = self.radix.insert(tokens[: full * self.page_size], pages[:full], salt)
         dupes = [mine for mine, theirs in zip(pages[:full], cached) if mine != theirs]
         if dupes:
             self.allocator.incref([theirs for mine, theirs in zip(pages[:full], cached) if mine != theirs])

@@ -8,6 +8,10 @@ pages whose K/V exist are ever inserted.
 The cache owns one reference on each of its pages. A leaf whose pages nobody else holds is evictable;
 `evict` frees such leaves least-recently-used first, then the parents they leave childless, and so on.
 A node whose pages are held elsewhere (by a request, a session or a fork: "locked") is never evicted.
+
+Each cache salt (`SamplingParams.cache_salt`) has a tree of its own: a prefix computed under one salt is never
+found under another, so cache hits tell a client nothing about prompts sent with another salt. The tree of
+no salt (None) is `root`; a salt's tree is forgotten when eviction leaves it empty.
 """
 
 from __future__ import annotations
@@ -34,15 +38,18 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.root = RadixNode([], [], None)
+        self.roots: dict[str | None, RadixNode] = {None: self.root}  # one tree per cache salt
         self._clock = 0
 
     # -- lookup ---------------------------------------------------------------------------------------------
-    def match(self, tokens: list[int]) -> tuple[list[int], int]:
-        """Pages of the longest cached page-aligned prefix of `tokens`, and its length in tokens.
+    def match(self, tokens: list[int], salt: str | None = None) -> tuple[list[int], int]:
+        """Pages of the longest page-aligned prefix of `tokens` cached under `salt`, and its length in tokens.
 
         The path is marked as used now; no reference is taken (the caller increfs what it keeps).
         """
-        node, matched, pages = self.root, 0, []
+        node, matched, pages = self.roots.get(salt), 0, []
+        if node is None:
+            return pages, matched
         while True:
             child, shared = self._step(node, tokens, matched)
             if child is None:
@@ -54,15 +61,19 @@ class RadixCache:
             matched += shared
             node = child
 
-    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
-        """Cache `pages` as the K/V of `tokens` (whole pages); returns the cache's pages for that prefix.
+    def insert(self, tokens: list[int], pages: list[int], salt: str | None = None) -> list[int]:
+        """Cache `pages` as the K/V of `tokens` (whole pages) under `salt`; returns the cache's pages for that
+        prefix.
 
         Where the prefix is already cached the returned page differs from the one given: the caller
         holds a duplicate and should switch to the cached page. New pages gain the cache's reference.
         """
         ps = self.page_size
         assert len(tokens) == len(pages) * ps, "only whole pages are cached"
-        node, done, out = self.root, 0, []
+        node = self.roots.get(salt)
+        if node is None:
+            node = self.roots[salt] = RadixNode([], [], None)
+        done, out = 0, []
         while done < len(tokens):
             child, shared = self._step(node, tokens, done)
             if child is None:
@@ -111,7 +122,7 @@ class RadixCache:
     # -- eviction -------------------------------------------------------------------------------------------
     def _evictable(self, node: RadixNode) -> bool:
         refs = self.allocator.refs
-        return node is not self.root and not node.children and all(refs[p] == 1 for p in node.pages)
+        return node.parent is not None and not node.children and all(refs[p] == 1 for p in node.pages)
 
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages if that many are evictable, least recently used leaves first."""
@@ -126,12 +137,14 @@ class RadixCache:
             del parent.children[tuple(leaf.key[: self.page_size])]
             if self._evictable(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        if len(self.roots) > 1:  # a salt's emptied tree is forgotten: salts cost nothing once evicted
+            self.roots = {s: r for s, r in self.roots.items() if s is None or r.children}
         return freed
 
     # -- inspection -----------------------------------------------------------------------------------------
     def nodes(self) -> Iterator[RadixNode]:
         """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
+        stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

@@ -66,6 +66,9 @@ class SamplingParams:
     """The first prompt position scored by `prompt_logprobs` (position 0 has nothing before it)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the completion text."""
+    cache_salt: str | None = None
+    """Prefix-cache partition (vLLM's name): a request reuses cached prompt pages only of requests with the
+    same salt, so a client cannot learn from cache hits what another salt's prompts hold."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +94,8 @@ class SamplingParams:
             if (getattr(self, name) or 0) > MAX_LOGPROBS:
                 _fail(self, name, f"must be at most {MAX_LOGPROBS}", f"ask for {MAX_LOGPROBS} or fewer alternatives")
         self.seed = _seed(self)
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and len(self.cache_salt) <= 256):
+            _fail(self, "cache_salt", "must be a string of at most 256 characters", "pass a short string or None")
         self.stop = _stop_strings(self)
         self.stop_token_ids = _stop_token_ids(self)
 

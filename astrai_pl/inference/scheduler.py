@@ -183,7 +183,7 @@ class Scheduler:
     def publish(self, req: Request) -> None:
         """Put req's computed full pages in the radix cache, unless K/V read from a file went into them."""
         if req.num_computed and not req.kv_from_file:
-            pages = self.pool.cache_prefix(req.tokens, req.pages, req.num_computed)
+            pages = self.pool.cache_prefix(req.tokens, req.pages, req.num_computed, req.params.cache_salt)
             if pages != req.pages:
                 req.pages, req.table_len = pages, 0
 
@@ -213,7 +213,7 @@ class Scheduler:
                 self._rotated_long.add(req)
             fresh = not req.pages and req.num_computed == 0
             if fresh:
-                req.pages, req.num_computed = self.pool.match_prefix(req.cacheable)
+                req.pages, req.num_computed = self.pool.match_prefix(req.cacheable, req.params.cache_salt)
                 if self._prefill_in_flight(req):  # wait for that prefill, then reuse its pages
                     self._unstart(req)
                     continue
@@ -256,6 +256,8 @@ class Scheduler:
         uncached = len(req.tokens) - matched
         for other in self.running:
             if other.prompt_cached or other.kv_from_file or other.num_computed >= other.num_prompt:
+                continue
+            if other.params.cache_salt != req.params.cache_salt:  # its pages will not be req's to share
                 continue
             shared = common_prefix(req.cacheable, other.tokens[: other.num_prompt]) // ps * ps
             if shared - matched >= max(ps, uncached // 2):

@@ -68,15 +68,17 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.abort_all()  # what the graceful period did not finish
         state.engine.stop()
+        state.close()
 
-    app = FastAPI(title="astrai_pl", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # no /openapi.json, /docs or /redoc: they would describe the API to anyone, key or not
+    app = FastAPI(title="astrai_pl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
     labelled: list = []  # every route, for the metrics' route labels (filled below)
     app.add_middleware(MetricsMiddleware, state=state, routes=labelled)
 
     async def authorized(request: Request) -> None:
-        state.check_key(request.headers.get("authorization"))
+        request.state.key_salt = state.check_key(request.headers.get("authorization"))
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
 

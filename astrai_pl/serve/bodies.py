@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import from_validation_errors
 
@@ -37,6 +37,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = Field(default=None, max_length=256)
 
 
 class CompletionRequest(SamplingFields):

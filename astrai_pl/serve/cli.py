@@ -16,8 +16,9 @@ from pathlib import Path
 
 from ..commands import USER_ERRORS, _add_model_arguments, load_engine
 from .app import create_app
+from .connections import ConnectionLimits, server_config
 from .sessions_api import DEFAULT_MAX_SESSIONS, DEFAULT_MAX_TTL_S, DEFAULT_TTL_S, SessionStore
-from .state import ServerState
+from .state import ServerState, check_api_keys
 
 
 def _at_least(low: int | float, kind=int):
@@ -42,8 +43,21 @@ def serve_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     group.add_argument("--port", type=_at_least(0), default=8000)
-    group.add_argument("--api-key", default=os.environ.get("ASTRAI_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ASTRAI_API_KEY)")
+    group.add_argument("--api-key", action="append", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes; repeat it for several clients' keys "
+                            "(default: $ASTRAI_API_KEY); an empty key is refused")
+    group.add_argument("--cache-salt-per-key", action="store_true",
+                       help="each API key's requests share cached prompt prefixes only with that key's: no client "
+                            "learns from cache hits what another sent")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="report usage.prompt_tokens_details.cached_tokens (off by default: cache hits tell a "
+                            "client which prefixes other requests of its cache salt sent)")
+    group.add_argument("--max-connections", type=_at_least(1), default=ConnectionLimits.max_connections,
+                       help="connections open at once; more are closed as they open")
+    group.add_argument("--header-timeout", type=_positive, default=ConnectionLimits.header_timeout,
+                       help="seconds a client has to send a request's headers before its connection is closed")
+    group.add_argument("--keep-alive-timeout", type=_at_least(1), default=ConnectionLimits.keep_alive_timeout,
+                       help="seconds an idle connection stays open between requests")
     group.add_argument("--max-queue", type=_at_least(1), default=None,
                        help="most generation requests in flight at once; more get HTTP 429 (default: no limit)")
     group.add_argument("--max-model-len", type=_at_least(2), default=None,
@@ -73,6 +87,12 @@ def _positive(text: str) -> float:
     return value
 
 
+def _env_key() -> list[str] | None:
+    """$ASTRAI_API_KEY as the server's key; set and empty is an empty key, which is refused."""
+    key = os.environ.get("ASTRAI_API_KEY")
+    return None if key is None else [key]
+
+
 def _ignore(signum, frame) -> None:
     """uvicorn raises the signal it shut down on once more; with this handler that ends nothing."""
 
@@ -82,6 +102,14 @@ def serve_verb(argv: list[str]) -> None:
     import uvicorn
 
     ns = serve_parser().parse_args(argv)
+    keys = ns.api_key if ns.api_key is not None else _env_key()
+    try:
+        check_api_keys(keys)  # before the model is loaded: an unset $KEY must not serve without one
+        limits = ConnectionLimits(ns.max_connections, ns.header_timeout, ns.keep_alive_timeout)
+        if ns.cache_salt_per_key and not keys:
+            raise ValueError("--cache-salt-per-key needs --api-key: the keys tell clients apart")
+    except ValueError as err:
+        raise SystemExit(f"astrai-pl serve: {err}") from None
     try:
         engine, tokenizer, eos_ids = load_engine(ns)
     except USER_ERRORS as err:
@@ -92,10 +120,11 @@ def serve_verb(argv: list[str]) -> None:
                                 max_sessions=ns.max_sessions, max_tokens=ns.max_session_tokens)
     except ValueError as err:
         raise SystemExit(f"astrai-pl serve: {err}") from None
-    state = ServerState(engine, tokenizer, name, api_key=ns.api_key or None, max_queue=ns.max_queue,
+    state = ServerState(engine, tokenizer, name, api_key=keys, salt_per_key=ns.cache_salt_per_key,
+                        report_cached_tokens=ns.enable_prompt_tokens_details, max_queue=ns.max_queue,
                         max_model_len=ns.max_model_len, stop_token_ids=eos_ids, sessions=sessions)
-    config = uvicorn.Config(create_app(state), host=ns.host, port=ns.port, lifespan="on",
-                            timeout_graceful_shutdown=ns.graceful_timeout, log_level="info")
+    config = server_config(create_app(state), ns.host, ns.port, limits, lifespan="on",
+                           timeout_graceful_shutdown=ns.graceful_timeout, log_level="info")
     server = uvicorn.Server(config)
     signal.signal(signal.SIGTERM, _ignore)
     try:

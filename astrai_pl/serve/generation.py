@@ -34,7 +34,7 @@ from ..inference import (
 from ..jsonl import NotUtf8, UnreadableJson, decode_utf8, parse_json
 from .errors import APIError, bad_request, from_sampling_error, internal_error, log
 from .protocol import Call, raise_for_finish
-from .state import ServerState
+from .state import ServerState, join_salts
 
 MAX_BODY_BYTES = 32 * 2**20
 DISCONNECT_POLL_S = 0.1
@@ -80,8 +80,9 @@ class Generation:
             self.state.handles.discard(handle)
         done = [c for c in self.completions if c is not None]
         if done:
+            cached = sum(c.cached_tokens for c in done if c.index == 0) if self.state.report_cached_tokens else 0
             self.state.metrics.tokens(sum(len(p) for p in self.call.prompts), sum(len(c.token_ids) for c in done),
-                                      sum(c.cached_tokens for c in done if c.index == 0))
+                                      cached)
         self.handles = []
 
     def _choice(self, p: int, handle, delta: Delta) -> int:
@@ -299,11 +300,12 @@ def _encodable(text: str) -> bool:
 
 
 def off_loop(parse):
-    """`parse(raw, state)` as a coroutine running it on a worker thread: tokenizing a long text takes seconds,
-    which the event loop, and so every other request, would otherwise wait for."""
+    """`parse(raw, state)` as a coroutine running it on the server's tokenizing threads (`state.off_loop`):
+    tokenizing a long text takes a while, which the event loop, and so every other request, would otherwise
+    wait for."""
 
     async def parsed(raw: dict, state: ServerState) -> Call:
-        return await asyncio.to_thread(parse, raw, state)
+        return await state.off_loop(parse, raw, state)
 
     return parsed
 
@@ -312,6 +314,8 @@ async def generate(request: Request, state: ServerState, parse, start=Generation
     """Parse the body into a Call (`parse`: a coroutine function, e.g. `off_loop(completion_call)`), submit it
     (`start`: a Generation or a session's turn) and answer."""
     call = await parse(await read_json(request), state)
+    if not getattr(call, "salted", False):  # a session's turn carries its session's salt
+        call.params.cache_salt = join_salts(getattr(request.state, "key_salt", None), call.params.cache_salt)
     state.admit()
     try:
         generation = start(state, call)

@@ -18,7 +18,6 @@ an application that puts third-party text into messages has to strip such marker
 from __future__ import annotations
 
 import math
-import numbers
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,20 +29,15 @@ from ..inference import Completion, Delta, SamplingParams, SamplingParamsError
 from ..tokenizer import TokenizerError, byte_symbols
 from .bodies import ChatRequest, CompletionRequest, SamplingFields, parse_body
 from .errors import APIError, bad_request, from_sampling_error
+from .limits import MAX_CHOICES, MAX_LOGPROB_ENTRIES, check_choice_count, check_text_size, is_id, prompt_count
 
-MAX_CHOICES = 1024  # prompts × n in one request
 MAX_MESSAGES = 8192  # messages of one conversation: the chat template renders them in Python
 MAX_STOPS = {"stop": 16, "stop_token_ids": 256}  # each is checked on every token: a long list slows every request
 MAX_STOP_CHARS = 256  # on every token the engine searches the text's last len(stop) characters for each stop
-MAX_LOGPROB_ENTRIES = 2**20  # log-probabilities (chosen and alternatives) one request's choices may hold in memory
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 
 # -- request → engine ---------------------------------------------------------------------------------------
-def _is_id(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 
 
@@ -53,24 +47,37 @@ def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer.encode_batch(texts)
 
 
-def templated_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+def templated_ids(tokenizer, messages: list[dict], generation_prompt: bool = True,
+                  limit: tuple[int, int] | None = None) -> list[int]:
     """The conversation through the chat template, BOS first exactly once: `commands.chat_ids` (or, without
-    the generation prompt, a stored conversation's ids), encoded by `encode_texts`."""
+    the generation prompt, a stored conversation's ids), encoded by `encode_texts`. `limit`: (characters,
+    context) past which the contents, then the rendered text, are refused before they are rendered or encoded."""
+    if limit is not None:
+        check_text_size(sum(len(m["content"]) for m in messages), *limit, "messages", "the messages' content")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    if limit is not None:
+        check_text_size(len(text), *limit, "messages", "the conversation through the chat template")
     [ids] = encode_texts(tokenizer, [text])
     return bos_first(tokenizer, ids)
 
 
-def completion_prompts(prompt, tokenizer) -> tuple[list[list[int]], list[str | None]]:
-    """Each prompt's ids, and its text when it came as text (None for ids)."""
+def completion_prompts(prompt, tokenizer, limit: tuple[int, int] | None = None
+                       ) -> tuple[list[list[int]], list[str | None]]:
+    """Each prompt's ids, and its text when it came as text (None for ids). `limit`: (characters, context)
+    past which a text is refused before it is encoded (`text_limit`)."""
     if isinstance(prompt, str):
-        return encode_texts(tokenizer, [prompt]), [prompt]
+        prompt = [prompt]
+        if limit is not None:
+            check_text_size(len(prompt[0]), *limit, "prompt", "the prompt")
+        return encode_texts(tokenizer, prompt), prompt
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
+            for i, text in enumerate(prompt if limit is not None else ()):
+                check_text_size(len(text), *limit, "prompt", f"prompt[{i}]")
             return encode_texts(tokenizer, prompt), list(prompt)
-        if all(_is_id(t) for t in prompt):
+        if all(is_id(t) for t in prompt):
             return [list(prompt)], [None]
-        if all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(is_id(t) for t in p) for p in prompt):
             return [list(p) for p in prompt], [None] * len(prompt)
     raise bad_request(f"'prompt' must be {PROMPT_SHAPES}", "prompt")
 
@@ -149,7 +156,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, extra_stop_ids
         "repetition_penalty": body.repetition_penalty, "seed": body.seed, "n": body.n,
         "ignore_eos": body.ignore_eos, "skip_special_tokens": body.skip_special_tokens,
         "top_k": 0 if body.top_k == -1 else body.top_k,  # vLLM's -1: no top-k
-        "stop": [] if body.stop is None else body.stop,
+        "stop": [] if body.stop is None else body.stop, "cache_salt": body.cache_salt,
     }
     fields = {k: v for k, v in given.items() if v is not None}
     stop_ids = [] if body.stop_token_ids is None else body.stop_token_ids
@@ -173,13 +180,15 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, extra_stop_ids
 
 
 # -- engine → response --------------------------------------------------------------------------------------
-def usage(prompts: list[list[int]], completions: list[Completion]) -> dict:
-    """Token counts; each prompt counted once, its cached tokens those of its first sample."""
+def usage(prompts: list[list[int]], completions: list[Completion], report_cached: bool = True) -> dict:
+    """Token counts; each prompt counted once, its cached tokens those of its first sample (None in place of
+    the details when the server keeps cache hits to itself)."""
     prompt_tokens = sum(len(p) for p in prompts)
     generated = sum(len(c.token_ids) for c in completions)
     cached = sum(c.cached_tokens for c in completions if c.index == 0)
+    details = {"cached_tokens": cached} if report_cached else None
     return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": details}
 
 
 @dataclass
@@ -236,6 +245,7 @@ class Call:
 
     def __init__(self, state, body: SamplingFields, prompts: list[list[int]], params: SamplingParams):
         self.tokenizer, self.model, self.prompts, self.params = state.tokenizer, state.model_name, prompts, params
+        self.report_cached = state.report_cached_tokens
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.stream = bool(body.stream)
@@ -268,7 +278,7 @@ class Call:
     def response(self, completions: list[Completion]) -> dict:
         """The whole answer; `completions` in choice order."""
         body = self.envelope(self.object, [self.choice(i, c) for i, c in enumerate(completions)])
-        body["usage"] = usage(self.prompts, completions)
+        body["usage"] = usage(self.prompts, completions, self.report_cached)
         return body
 
     def chunk(self, choices: list[dict]) -> dict:
@@ -278,7 +288,7 @@ class Call:
         return body
 
     def usage_chunk(self, completions: list[Completion]) -> dict:
-        return {**self.envelope(self.chunk_object, []), "usage": usage(self.prompts, completions)}
+        return {**self.envelope(self.chunk_object, []), "usage": usage(self.prompts, completions, self.report_cached)}
 
     def delta_logprobs(self, delta: Delta) -> TokenLogprobs | None:
         """The log-probabilities of the tokens a delta brings, when asked for."""
@@ -405,7 +415,8 @@ def completion_call(raw: dict, state) -> CompletionCall:
         raise bad_request("'best_of' is not supported by this server; ask for n completions instead", "best_of")
     if body.prompt is None:
         raise bad_request(f"'prompt' is required: {PROMPT_SHAPES}", "prompt")
-    prompts, texts = completion_prompts(body.prompt, state.tokenizer)
+    check_choice_count(prompt_count(body.prompt), body.n)  # before any prompt is encoded
+    prompts, texts = completion_prompts(body.prompt, state.tokenizer, state.text_limit)
     longest = max(prompts, key=len)
     max_tokens = max_new_tokens(body.max_tokens, len(longest), state.context_len, COMPLETIONS_DEFAULT_MAX_TOKENS,
                                 "max_tokens", "prompt")
@@ -437,7 +448,7 @@ def chat_call(raw: dict, state) -> ChatCall:
     if state.tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     try:
-        ids = templated_ids(state.tokenizer, messages)
+        ids = templated_ids(state.tokenizer, messages, limit=state.text_limit)
     except TokenizerError as err:
         raise bad_request(str(err), "messages") from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

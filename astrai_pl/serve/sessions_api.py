@@ -17,21 +17,23 @@ not computed again.
 
 Ids are `secrets.token_urlsafe` strings, only ever keys of a dict. An unknown, deleted or expired id is a
 404; a turn or fork while a turn runs on the session a 409; the store refuses (429) a session over
-`max_sessions`, or a prefill or turn whose prompt would make the sessions pin more than `max_tokens` of KV
-(the tokens a turn then generates are bounded by its max_tokens and the engine's pool, like any request's). A
-session idle for its TTL is closed and forgotten. A turn the client walks away from is aborted, and the
-session goes on from its history without it.
+`max_sessions`, or a prefill or turn that could make the sessions pin more than `max_tokens` of KV: a turn
+reserves its whole conversation plus its `max_tokens` (left out, it gets what the limit leaves), since the
+session keeps the pages its reply is generated into. A session idle for its TTL is closed and forgotten. A
+turn the client walks away from is aborted, and the session goes on from its history without it.
+
+A session's prefixes are cached under the salt it was created with (its key's, when keys are kept apart, and
+the `cache_salt` its creating request named); its turns use that salt whatever their body says.
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..inference import CapacityError, Completion, InferenceError, PromptError, SamplingParams, Session
 from ..inference.scheduler import common_prefix
@@ -40,6 +42,7 @@ from .bodies import parse_body
 from .errors import APIError, bad_request
 from .generation import Generation, _engine_error, generate, read_json
 from .protocol import chat_call, chat_messages, templated_ids
+from .state import join_salts
 
 DEFAULT_TTL_S = 600.0
 DEFAULT_MAX_TTL_S = 3600.0
@@ -51,19 +54,21 @@ class SessionRequest(BaseModel):
     model: str | None = None
     messages: list | None = None
     ttl: float | None = None
+    cache_salt: str | None = Field(default=None, max_length=256)
 
 
 class StoredSession:
     """One conversation: its engine session, the messages and tokens of its finished turns, its lifetime."""
 
-    def __init__(self, store: SessionStore, session: Session, ttl: float, messages: list[dict]):
-        self.store, self.session, self.ttl = store, session, ttl
+    def __init__(self, store: SessionStore, session: Session, ttl: float, messages: list[dict],
+                 cache_salt: str | None = None):
+        self.store, self.session, self.ttl, self.cache_salt = store, session, ttl, cache_salt
         self.id = "sess_" + secrets.token_urlsafe(24)
         self.created = int(time.time())
         self.messages = messages
         self.tokens: list[int] = list(session.tokens)
         self.busy = False
-        self.reserved_pages = 0  # what a running turn's prompt pins (its pages are lent to the turn)
+        self.reserved_pages = 0  # what a running turn may come to pin: its conversation and max_tokens
         self.closed = False
 
     def conversation(self, render: list[int], tokenizer) -> list[int]:
@@ -175,6 +180,10 @@ class SessionStore:
             reserved += stored.reserved_pages
         return len(held) + reserved
 
+    def room(self, stored: StoredSession | None) -> int:
+        """Tokens of KV `stored` may hold, its own pages aside, before the sessions pass the limit."""
+        return (self.max_pages - self.pinned_pages(without=stored)) * self.engine.page_size
+
     def reserve(self, stored: StoredSession | None, tokens: int) -> int:
         """The pages a session of `tokens` tokens needs, refused (429) when they would pass the limit."""
         need = -(-tokens // self.engine.page_size)
@@ -195,10 +204,11 @@ class SessionStore:
                                 "(DELETE /v1/sessions/{id}) or retry later", type="rate_limit_error",
                            code="too_many_sessions")
 
-    def open(self, ttl: float, messages: list[dict], warm: list[int]) -> StoredSession:
+    def open(self, ttl: float, messages: list[dict], warm: list[int], cache_salt: str | None = None
+             ) -> StoredSession:
         self._check_count()
         self.reserve(None, len(warm))
-        stored = StoredSession(self, self.engine.session(ttl), ttl, messages)
+        stored = StoredSession(self, self.engine.session(ttl), ttl, messages, cache_salt)
         self._sessions[stored.id] = stored
         return stored
 
@@ -210,7 +220,7 @@ class SessionStore:
         except CapacityError as err:
             raise APIError(429, f"cannot fork: {err}; retry later", type="rate_limit_error",
                            code="kv_pool_full") from None
-        child = StoredSession(self, session, stored.ttl, list(stored.messages))
+        child = StoredSession(self, session, stored.ttl, list(stored.messages), stored.cache_salt)
         self._sessions[child.id] = child
         return child
 
@@ -265,7 +275,7 @@ def _turn_parser(store: SessionStore, session_id: str, box: dict):
         stored = store.idle(session_id)
         new = chat_messages(raw.get("messages"))
         history = stored.messages
-        call = await asyncio.to_thread(chat_call, {**raw, "messages": [*history, *new]}, state)  # see off_loop
+        call = await state.off_loop(chat_call, {**raw, "messages": [*history, *new]}, state)
         if store.idle(session_id).messages is not history:  # a turn ran meanwhile: the ids above miss it
             raise APIError(409, f"session '{session_id}' answered another turn while this one was read; send it "
                                 "again", param="session_id", code="session_busy")
@@ -274,7 +284,10 @@ def _turn_parser(store: SessionStore, session_id: str, box: dict):
                               "(POST /v1/sessions/{id}/fork) for each branch", "n")
         ids = stored.conversation(call.prompts[0], state.tokenizer)
         call.prompts = [ids]
-        need = store.reserve(stored, len(ids))
+        call.params.cache_salt, call.salted = stored.cache_salt, True
+        if raw.get("max_tokens") is None and raw.get("max_completion_tokens") is None:  # what the limit leaves
+            call.params.max_tokens = max(1, min(call.params.max_tokens, store.room(stored) - len(ids)))
+        need = store.reserve(stored, len(ids) + call.params.max_tokens)  # the reply's pages stay the session's
         box.update(stored=stored, new=new, need=need)
         return call
 
@@ -289,7 +302,7 @@ def _warm_ids(state, messages) -> tuple[list[dict], list[int]]:
     if state.tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template; sessions need one", "messages")
     try:
-        ids = templated_ids(state.tokenizer, checked, generation_prompt=False)
+        ids = templated_ids(state.tokenizer, checked, generation_prompt=False, limit=state.text_limit)
     except TokenizerError as err:
         raise bad_request(str(err), "messages") from None
     if len(ids) >= state.context_len:
@@ -303,7 +316,7 @@ async def _prefill(state, stored: StoredSession, ids: list[int]) -> None:
     state.admit()
     stored.busy = True
     try:
-        handle = stored.session.submit(ids, SamplingParams(max_tokens=0))
+        handle = stored.session.submit(ids, SamplingParams(max_tokens=0, cache_salt=stored.cache_salt))
         try:
             await handle.result_async()
         finally:
@@ -332,8 +345,8 @@ def sessions_router(state) -> APIRouter:
         body = parse_body(await read_json(request), SessionRequest)
         state.check_model(body.model)
         ttl = store.ttl_for(body.ttl)
-        messages, ids = await asyncio.to_thread(_warm_ids, state, body.messages)  # see generation.off_loop
-        stored = store.open(ttl, messages, ids)
+        messages, ids = await state.off_loop(_warm_ids, state, body.messages)  # see generation.off_loop
+        stored = store.open(ttl, messages, ids, join_salts(getattr(request.state, "key_salt", None), body.cache_salt))
         if ids:
             try:
                 await _prefill(state, stored, ids)

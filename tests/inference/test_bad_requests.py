@@ -307,22 +307,6 @@ def test_a_seed_at_the_top_of_the_range_still_seeds_every_sample(model, make_eng
 
 
 # -- capacity errors and aborts --------------------------------------------------------------------------
-def test_a_request_refused_for_capacity_does_not_block_later_ones(
-    model, make_engine, reference_greedy, random_prompts
-):
-    engine = make_engine(model, page_size=4, max_total_tokens=64)  # 16 pages
-    history, big, small = random_prompts([44, 25, 6], seed=46)
-    chat = engine.session()
-    chat.append(history)  # pins 11 pages
-    with pytest.raises(CapacityError, match="no queued request fits"):
-        engine.generate([big], SamplingParams(max_tokens=4))  # fits an empty pool, not this one
-    assert not engine.has_unfinished()
-    [out] = engine.generate([small], GREEDY)
-    assert out.token_ids == reference_greedy(model, small, 8)
-    chat.close()
-    assert_serves_normally(engine, model, reference_greedy)
-
-
 def test_abort_stops_every_sample_of_a_request(model, make_engine, random_prompts):
     engine = make_engine(model, page_size=4, prefix_cache=False)
     params = SamplingParams(max_tokens=20, temperature=1.0, n=3, ignore_eos=True)
@@ -334,3 +318,26 @@ def test_abort_stops_every_sample_of_a_request(model, make_engine, random_prompt
     assert not engine.has_unfinished()
     usage = engine.check()
     assert usage.free == usage.total
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["callers-step", "background-loop"])
+def test_a_request_that_cannot_fit_beside_sessions_fails_alone_and_the_queue_behind_it_is_served(
+    model, make_engine, reference_greedy, random_prompts, loop
+):
+    engine = make_engine(model, page_size=4, max_total_tokens=64)  # 16 pages
+    history, big, small = random_prompts([44, 25, 6], seed=48)
+    chat = engine.session()
+    chat.append(history)  # pins 11 pages
+    if loop:
+        engine.start()  # the background loop steps, as a server's does
+    doomed = engine.submit(big, SamplingParams(max_tokens=4, temperature=0))  # fits only an empty pool
+    behind = [engine.submit(small, GREEDY) for _ in range(2)]
+    with pytest.raises(CapacityError):
+        doomed.result()
+    for handle in behind:
+        [out] = handle.result()
+        assert out.token_ids == reference_greedy(model, small, 8)
+    engine.stop()
+    assert not engine.has_unfinished()
+    chat.close()
+    assert_serves_normally(engine, model, reference_greedy)

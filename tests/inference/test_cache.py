@@ -146,3 +146,21 @@ def test_contiguous_layout_maps_positions_linearly():
     [page] = pool.allocate(1)
     assert pool.slots([page], 0, 5) == [page * 32 + i for i in range(5)]
     assert pool.match_prefix([1, 2, 3]) == ([], 0)
+
+
+def test_a_prefix_is_found_only_under_the_salt_it_was_cached_with():
+    pool = make_pool(num_pages=8, page_size=2)
+    prompt = [5, 6, 7, 8, 9]
+    pool.release(pool.cache_prefix(prompt, pool.allocate(3), 4, salt="alice"))
+    assert pool.match_prefix(prompt)[1] == 0  # no salt is a salt of its own
+    assert pool.match_prefix(prompt, "bob")[1] == 0
+    mine, matched = pool.match_prefix(prompt, "alice")
+    assert matched == 4
+    pool.release(mine)
+    pool.release(pool.cache_prefix(prompt, pool.allocate(3), 4, salt="bob"))  # the same tokens, its own pages
+    theirs, matched = pool.match_prefix(prompt, "bob")
+    assert matched == 4 and set(theirs).isdisjoint(mine)
+    pool.release(theirs)
+    pool.check([])
+    assert pool.allocate(8) is not None  # every salt's pages are evictable, and their emptied trees forgotten
+    assert list(pool.radix.roots) == [None]

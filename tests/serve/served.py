@@ -9,6 +9,7 @@ import time
 import uvicorn
 
 from astrai_pl.serve.app import create_app
+from astrai_pl.serve.connections import ConnectionLimits, server_config
 from astrai_pl.serve.state import ServerState
 
 MODEL = "debug-chat"
@@ -16,10 +17,11 @@ TIMEOUT = 30.0  # seconds any one client call may take
 
 
 @contextlib.contextmanager
-def running(state: ServerState):
-    """create_app(state) served by uvicorn on a free 127.0.0.1 port in a thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=5))
+def running(state: ServerState, limits: ConnectionLimits | None = None):
+    """create_app(state) served by uvicorn on a free 127.0.0.1 port in a thread, as `astrai-pl serve` serves it
+    (`limits`: its connection limits); yields the base URL."""
+    server = uvicorn.Server(server_config(create_app(state), "127.0.0.1", 0, limits, log_level="warning",
+                                          lifespan="off", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + TIMEOUT

@@ -15,6 +15,7 @@ from test_metrics import requests_of, scrape
 
 from astrai_pl.serve import generation
 from astrai_pl.serve.app import create_app
+from astrai_pl.serve.protocol import MAX_LOGPROB_ENTRIES
 from astrai_pl.serve.protocol import templated_ids as rendered
 from astrai_pl.serve.state import ServerState
 
@@ -42,7 +43,7 @@ CASES = [  # (route, raw JSON body, param the 400 names, words its message holds
     (CHAT, json.dumps({"messages": [{"role": "user", "content": ""}] * 8193}).encode(), "messages", "at most 8192"),
     # 128 × 500 × 21 log-probabilities held at once for a 1 kB request
     (COMPLETIONS, json.dumps({"prompt": ["x"] * 128, "max_tokens": 500, "logprobs": 20}).encode(), "logprobs",
-     "at most 1048576"),
+     f"at most {MAX_LOGPROB_ENTRIES}"),
 ]
 
 

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from served import MODEL, TIMEOUT, running
 
 from astrai_pl.commands import chat_ids
@@ -22,6 +23,9 @@ from astrai_pl.serve.state import ServerState
 
 ROUND_TIMEOUT_S = 120.0
 RSS_TOLERANCE = 8 * 2**20  # bytes the process may grow by from round 2 to round 3 (allocator slack)
+# oneDNN, which runs the CPU linear layers, keeps what it built for each step shape (continuous batching makes
+# many): 20-50 MiB a round of 64 clients that no request holds. The rounds that measure what the server keeps
+# run the linear layers on torch's other CPU path, whose memory stays flat (docs/serving.md, Memory across load).
 WORDS = "the of a cat sat on mat while dogs ran far away and birds sang loud songs in trees".split()
 
 
@@ -199,8 +203,16 @@ def test_a_few_clients_at_once_get_the_offline_answers(load_engine, tokenizer):
     serve_rounds(load_engine, tokenizer, clients=8, each=2, rounds=1)
 
 
-@pytest.mark.slow
-def test_64_clients_of_4_requests_get_the_offline_answers_and_memory_stays_flat(load_engine, tokenizer):
-    sizes = serve_rounds(load_engine, tokenizer, clients=64, each=4, rounds=3)
+def test_12_clients_of_3_requests_for_3_rounds_leave_nothing_behind(load_engine, tokenizer):
+    with torch.backends.mkldnn.flags(enabled=False):
+        sizes = serve_rounds(load_engine, tokenizer, clients=12, each=3, rounds=3)
     print(f"RSS after each round: {[f'{s / 2**20:.1f} MiB' for s in sizes]}")
     assert sizes[2] - sizes[1] <= RSS_TOLERANCE, sizes  # round 1 warms the allocators up
+
+
+@pytest.mark.slow
+def test_64_clients_of_4_requests_get_the_offline_answers_and_memory_stays_flat(load_engine, tokenizer):
+    with torch.backends.mkldnn.flags(enabled=False):
+        sizes = serve_rounds(load_engine, tokenizer, clients=64, each=4, rounds=3)
+    print(f"RSS after each round: {[f'{s / 2**20:.1f} MiB' for s in sizes]}")
+    assert sizes[2] - sizes[1] <= RSS_TOLERANCE, sizes
