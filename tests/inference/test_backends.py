@@ -5,8 +5,8 @@ import threading
 import pytest
 import torch
 
-from astrai_pl.inference import BackendUnavailable, torch_backend
-from astrai_pl.inference.attention import StepView, attn_backend, select_backend
+from astrai_pl.inference import BackendUnavailable
+from astrai_pl.inference.attention import StepView, attn_backend, select_backend, torch_backend
 from astrai_pl.inference.attention.cuda_backend import CudaBackend
 from astrai_pl.inference.attention.torch_backend import TorchBackend
 from astrai_pl.inference.cache import KVStorage, ReqToTokenPool
