@@ -22,6 +22,7 @@ LAYERS = (
     ("data", "inference"),
     ("checkpoint",),  # persistence below everything that trains or serves
     ("model", "tokenizer"),
+    ("hub",),  # hub ids to local snapshots, below everything that reads a model, tokenizer or data set
     ("ops", "jsonl", "atomic", "warning_filters", "command_options"),
     ("",),
 )
