@@ -169,13 +169,28 @@ def _through_copy(x: torch.Tensor, copy: torch.Tensor, linears: tuple[Linear, ..
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_rows(rows: int) -> int:
+    """The row count a oneDNN matmul of `rows` rows runs at: rounded up to a multiple of an eighth of its octave
+    (16 at least), so at most 1/8 of the rows are padding and a server's prefill chunks reach oneDNN in a few
+    dozen shapes. oneDNN keeps what it builds for each shape; with every chunk length its own shape, a server's
+    memory grew by 20-50 MiB a load round (docs/serving.md, Memory across load)."""
+    step = max(16, 1 << max(0, rows.bit_length() - 4))
+    return -(-rows // step) * step
+
+
 def _as_stored(x: torch.Tensor, linear: Linear) -> torch.Tensor:
     """linear(x) on the weight as stored, for the many rows of a prefill chunk (float32 CPU weights, autograd
     off). oneDNN's matmul where PyTorch has it and autocast is off: for the `small` preset's projections it took
     less time than `F.linear` (MKL's sgemm) at 65-1024 rows (benchmarks/bench_layout.py, docs/inference.md); the
-    sums come in another order, within float32 round-off of `F.linear`'s."""
+    sums come in another order, within float32 round-off of `F.linear`'s. The rows go in padded to
+    `onednn_rows`, and the padding's rows are dropped."""
     if _ONEDNN and torch._C._get_mkldnn_enabled() and not torch.is_autocast_enabled("cpu") and type(x) is torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        padded = onednn_rows(rows.shape[0])
+        if padded != rows.shape[0]:
+            rows = torch.cat([rows, rows.new_zeros(padded - rows.shape[0], rows.shape[1])])
+        out = torch.ops.mkldnn._linear_pointwise(rows, linear.weight, linear.bias, "none", [], "")
+        return out[: x.numel() // x.shape[-1]].reshape(*x.shape[:-1], out.shape[-1])
     return F.linear(x, linear.weight, linear.bias)
 
 

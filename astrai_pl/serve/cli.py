@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from pathlib import Path
 
 from ..commands import USER_ERRORS, _add_model_arguments, load_engine
@@ -97,6 +98,18 @@ def _ignore(signum, frame) -> None:
     """uvicorn raises the signal it shut down on once more; with this handler that ends nothing."""
 
 
+def startup_line(engine, state, host: str, port: int) -> str:
+    """What is being served, where and in how much memory: one line before uvicorn's own."""
+    usage = engine.usage()
+    if hasattr(usage, "slots_total"):  # a recurrent model: a state slot per running request, not K/V pages
+        memory = f"{usage.slots_total} state slots of {usage.state_bytes / 2**20:.1f} MiB"
+    else:
+        memory = f"KV capacity {usage.total * usage.page_size:,} tokens ({usage.total:,} pages of {usage.page_size})"
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return (f"astrai-pl serve: model {state.model_name!r} on {engine.device} ({str(engine.dtype).removeprefix('torch.')}), "
+            f"context {state.context_len:,} tokens, {memory}; OpenAI API at http://{shown}:{port}/v1")
+
+
 def serve_verb(argv: list[str]) -> None:
     """`astrai-pl serve`: build the engine, serve it until SIGTERM or Ctrl-C."""
     import uvicorn
@@ -126,6 +139,7 @@ def serve_verb(argv: list[str]) -> None:
     config = server_config(create_app(state), ns.host, ns.port, limits, lifespan="on",
                            timeout_graceful_shutdown=ns.graceful_timeout, log_level="info")
     server = uvicorn.Server(config)
+    print(startup_line(engine, state, ns.host, ns.port), file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, _ignore)
     try:
         server.run()

@@ -295,8 +295,9 @@ def _turn_parser(store: SessionStore, session_id: str, box: dict):
 
 
 def _warm_ids(state, messages) -> tuple[list[dict], list[int]]:
-    """A new session's opening messages and their ids (no generation prompt: the first turn adds it)."""
-    if messages is None:
+    """A new session's opening messages and their ids (no generation prompt: the first turn adds it); no
+    messages and an empty list both open an empty session."""
+    if messages is None or messages == []:
         return [], []
     checked = chat_messages(messages)
     if state.tokenizer.chat_template is None:

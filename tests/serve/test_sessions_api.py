@@ -290,6 +290,13 @@ def test_an_idle_session_expires_after_its_ttl(http, engine):
     assert refused(http.post("/v1/sessions", json={"ttl": "soon"}), 400, None)["param"] == "ttl"
 
 
+def test_a_session_opens_empty_with_no_messages_or_an_empty_list(http):
+    opened = [http.post("/v1/sessions", json=body) for body in ({}, {"messages": []})]
+    assert [r.status_code for r in opened] == [200, 200]
+    assert [r.json()["tokens"] for r in opened] == [0, 0]
+    assert content(turn(http, opened[1].json()["id"], user("Hi!"))) == content(stateless(http, user("Hi!")))
+
+
 def test_bad_turns_name_their_field_and_the_session_goes_on(http):
     sid = create(http)["id"]
     path = f"/v1/sessions/{sid}/chat/completions"
