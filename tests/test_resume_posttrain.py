@@ -1,6 +1,7 @@
-"""Exact resume for DPO and GRPO (and the modules sharing their loaders): the train loader's position travels in
-the checkpoint, so a run killed with SIGKILL and resumed with `--ckpt_path last` logs the same loss, bit for bit,
-at every later step as the run that was never interrupted — across an epoch boundary, with accumulation."""
+"""Exact resume for DPO, GRPO, KTO, ORPO, SimPO and the reward model (and the modules sharing their loaders): the
+train loader's position travels in the checkpoint, so a run killed with SIGKILL and resumed with `--ckpt_path last`
+logs the same loss, bit for bit, at every later step as the run that was never interrupted — across an epoch
+boundary, with accumulation."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _config(folder: Path, kind: str) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dpo", "grpo"])
+@pytest.mark.parametrize("kind", ["dpo", "grpo", "kto", "orpo", "simpo", "reward"])
 def test_sigkill_then_resume_sees_the_same_batches(tmp_path, kind):
     reference = launch(_config(tmp_path / "reference", kind))
     config = _config(tmp_path / "killed", kind)

@@ -54,7 +54,7 @@ def collate_pairs(rows: Sequence[dict[str, Any]], pad_id: int, max_seq_len: int)
 
     Returns `{side}_input_ids` and `{side}_labels` (B, T) for side in chosen/rejected — labels are the
     tokens where the loss mask is 1 and -100 elsewhere (prompt, padding) — `prompt_lengths` (B,): the
-    tokens of the prompt both responses share, and `row_index` (B,): each pair's position in its split,
+    tokens of the prompt both responses share, `margin` (B,) when the rows have one, and `row_index` (B,): each pair's position in its split,
     when the rows carry it (DPOData's do), which keys precomputed reference log-probabilities. With one
     width the objective can stack both sides into a single (2B, T) forward.
     """
@@ -69,6 +69,8 @@ def collate_pairs(rows: Sequence[dict[str, Any]], pad_id: int, max_seq_len: int)
             [_labels(ids, m) + [IGNORE_INDEX] * (width - len(ids)) for ids, m in zip(cut[side], masks)],
             dtype=torch.long)
     batch["prompt_lengths"] = torch.tensor([min(r["prompt_length"], max_seq_len) for r in rows], dtype=torch.long)
+    if "margin" in rows[0]:  # TRL's per-pair margin, for the reward model
+        batch["margin"] = torch.tensor([float(r["margin"]) for r in rows], dtype=torch.float32)
     if "row_index" in rows[0]:
         batch["row_index"] = torch.tensor([r["row_index"] for r in rows], dtype=torch.long)
     return batch

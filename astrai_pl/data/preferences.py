@@ -6,11 +6,14 @@ and `loss_mask` that share the prompt's tokens, and `prompt_length`.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 from ..model.config import ConfigError
 from .preprocess import Piece, RowFormat, Section, bos_pieces, preset_sections, section_pieces
+from .rows import DataError
 
 PREFERENCE_FIELDS = ("chosen", "rejected")
 
@@ -19,6 +22,7 @@ def preference_segments(
     row: dict[str, Any], sections: Sequence[Section], tokenizer: Any, header: str
 ) -> list[list[Piece]]:
     """[shared prompt, chosen, rejected]: the sections on 'chosen' and 'rejected' are the two responses."""
+    check_margin(row)
     prompt = bos_pieces(sections, tokenizer)
     responses: dict[str, list[Piece]] = {}
     for section in sections:
@@ -33,6 +37,17 @@ def preference_segments(
             f"preference sections need a Section for {missing}; see preset_sections('preference')"
         )
     return [prompt, responses["chosen"], responses["rejected"]]
+
+
+def check_margin(row: dict[str, Any]) -> None:
+    """DataError unless the row's `margin`, when the data has that column, is a finite number: the score gap a
+    reward model is asked for on this pair (TRL's `margin`: the loss is −log σ(s_c − s_r − margin))."""
+    if "margin" not in row:
+        return
+    value = row["margin"]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise DataError(f"not a finite number: {value!r} (when some rows give a margin, every row must)",
+                        "margin", "give every pair a number, e.g. 0.0 for no required gap, or drop the column")
 
 
 def preference_columns(
@@ -70,4 +85,5 @@ PREFERENCES = RowFormat(
     default_preset="preference",
     sections_of=preference_sections,
     arithmetic_row=arithmetic_pair,
+    carried=("margin",),
 )

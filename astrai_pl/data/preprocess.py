@@ -402,6 +402,9 @@ class RowFormat:
     """(question, answer, a near miss) -> one row of the built-in arithmetic task."""
     keeps_columns: bool = False
     """Encoded rows keep the row's own columns too (e.g. `answer`, for reward functions)."""
+    carried: tuple[str, ...] = ()
+    """Row columns kept as they are in the encoded rows when the data has them (dpo: `margin`); `segments`
+    checks their values."""
 
 
 def render_example(input_ids: Sequence[int], loss_mask: Sequence[int] | None, tokenizer: Any) -> str:

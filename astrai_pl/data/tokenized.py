@@ -90,7 +90,7 @@ def tokenize_dataset(
         raise DataError(
             "no rows to encode", fix="check the path, the split and the held-out fraction", source=source
         )
-    removed = [] if fmt.keeps_columns else dataset.column_names
+    removed = [] if fmt.keeps_columns else [c for c in dataset.column_names if c not in fmt.carried]
     kwargs = dict(
         kind=kind,
         sections=list(sections),

@@ -29,6 +29,7 @@ from ..parallel import (
     fp8_scales_after_step,
     is_dtensor,
 )
+from .global_counts import summed_over_ranks
 from .losses import IGNORE_INDEX, cross_entropy, linear_cross_entropy, next_token_labels
 from .options import check_fp8_options
 from .schedules import fit_schedule_length
@@ -387,12 +388,17 @@ class Objective(L.LightningModule, ABC):
         every micro-batch with `window_tokens` (trained tokens in its whole accumulation window, the
         short last window included), dividing the summed loss by window_tokens / K cancels that
         division: Σ_micro (sum_nll / window_tokens) is the token mean over the window. Another count
-        works the same way under its own `key` (DPO: pairs, `window_pairs`).
+        works the same way under its own `key` (DPO: pairs, `window_pairs`). Under data parallelism the
+        count is summed over the W ranks and divided by W (`global_counts`): DDP's average of the ranks'
+        gradients is then that of the global batch, whatever each rank's share of its tokens.
         """
-        window = batch.get(key) if self.training else None
-        if window is None:
+        if not self.training:
             return tokens.clamp(min=1)
-        return torch.as_tensor(window, dtype=torch.float32, device=tokens.device) / self.accumulation_steps()
+        window = batch.get(key)
+        count = tokens if window is None else torch.as_tensor(window, device=tokens.device)
+        total, ranks = summed_over_ranks(count, self._trainer)
+        steps = 1 if window is None else self.accumulation_steps()
+        return total.float().clamp(min=1) / (steps * ranks)
 
     def accumulation_steps(self) -> int:
         """The trainer's accumulate_grad_batches (K), checked; 1 without a trainer."""

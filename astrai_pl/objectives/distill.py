@@ -13,6 +13,7 @@ import torch
 from ..inference import SamplingParams
 from ..model import ConfigError
 from .base import Objective
+from .global_counts import rank_share
 from .logprobs import scored_rows
 from .on_policy import (
     check_whole_model,
@@ -191,6 +192,8 @@ class Distill(Objective):
                                    f"student's {student.size(-1)} ids: teacher and student must share a tokenizer")
             loss, metrics = topk_generalized_jsd_loss(student, ids, logps, beta=hp.beta)
         metrics["on_policy"] = torch.tensor(float(source == "student"))
+        if self.training:  # a mean over every rank's scored positions (`global_counts`)
+            loss = loss * rank_share(metrics["tokens"].round().long(), loss.device, self._trainer)
         return loss, metrics
 
     def _evaluate(self, batch, stage: str) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from ..inference import SamplingParams
 from .base import Objective, frozen_copy
+from .global_counts import rank_share
 from .logprobs import sequence_logprobs, token_logprobs
 from .losses import dpo_loss
 from .on_policy import (
@@ -144,6 +145,8 @@ class OnlineDPO(Objective):
         metrics.update({"objective/scores": rewards.mean(), "objective/scores_margin": (rewards[c] - rewards[r]).mean(),
                         "objective/kl": (policy - reference).detach().mean()})
         metrics.update({k: torch.tensor(v) for k, v in pairs["sampling"].items()})
+        if self.training:  # a mean over every rank's pairs (`global_counts`)
+            loss = loss * rank_share(len(c), loss.device, self._trainer)
         return loss, metrics
 
     # -- evaluation: greedy completions of held-out prompts, scored by the same reward functions ------------

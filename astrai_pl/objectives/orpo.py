@@ -14,6 +14,7 @@ from torch import nn
 
 from .base import Objective
 from .dpo import pair_logps, response_lengths
+from .global_counts import rank_share
 from .options import check_orpo_options
 from .preference_losses import orpo_loss
 
@@ -27,7 +28,8 @@ def mean_pair_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[t
 
 class PairObjective(Objective):
     """What the reference-free pair objectives share: a per-pair loss made exact under gradient accumulation
-    (DPOData tags batches with `window_pairs`) and a validation loss without perplexity."""
+    (DPOData tags batches with `window_pairs`) and across data-parallel ranks, and a validation loss without
+    perplexity."""
 
     def _per_pair(self, loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         pairs = torch.tensor(batch["chosen_input_ids"].shape[0], device=loss.device)
@@ -43,7 +45,9 @@ class ORPO(PairObjective):
     p: mean token log-probability of a response; prompts and padding are never scored. Both sides of every pair go
     through the model in one forward, the prompt they share computed once (`shared_prompt`). Metrics, with TRL's
     names, under train/ and val/: nll_loss, log_odds_ratio, log_odds_chosen, rewards/chosen, rewards/rejected,
-    rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
+    rewards/accuracies, rewards/margins, logps/chosen, logps/rejected. In training the NLL is the mean over every
+    data-parallel rank's chosen tokens and the odds-ratio term the mean over every rank's pairs (exact under
+    gradient accumulation too).
     """
 
     def __init__(self, *args: Any, beta: float = 0.1, **kwargs: Any):
@@ -59,4 +63,8 @@ class ORPO(PairObjective):
     def _shared_step(self, batch: dict[str, torch.Tensor], stage: str):
         chosen, rejected, nll = mean_pair_logps(self.model, batch)
         loss, metrics = orpo_loss(chosen, rejected, nll, beta=self.beta)
-        return self._per_pair(loss, batch), metrics
+        if not self.training:
+            return loss, metrics
+        # Two means, each over every rank's items: the NLL over chosen tokens, the odds-ratio term over pairs.
+        tokens = response_lengths(batch)[0].sum()
+        return self._per_pair(loss - nll, batch) + nll * rank_share(tokens, nll.device, self._trainer), metrics

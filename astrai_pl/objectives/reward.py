@@ -93,7 +93,8 @@ class RewardModel(PairObjective):
 
     def _shared_step(self, batch: dict[str, torch.Tensor], stage: str):
         chosen, rejected = self.scores(batch)
-        loss, metrics = bradley_terry_loss(chosen, rejected, center_rewards_coefficient=self.center_rewards_coefficient)
+        loss, metrics = bradley_terry_loss(chosen, rejected, batch.get("margin"),  # (B,): rows with a `margin`
+                                           center_rewards_coefficient=self.center_rewards_coefficient)
         return self._per_pair(loss, batch), metrics
 
     # -- export -------------------------------------------------------------------------------------------

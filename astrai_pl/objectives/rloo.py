@@ -10,6 +10,7 @@ import torch
 
 from ..inference import SamplingParams
 from .base import Objective, frozen_copy
+from .global_counts import rank_share
 from .logprobs import token_logprobs
 from .on_policy import (
     check_whole_model,
@@ -144,8 +145,9 @@ class RLOO(Objective):
             kls.append(kl)
             start += len(part["input_ids"])
         advantages = rloo_advantages(torch.cat(rewards), G, hp.normalize_advantages)
-        start = 0
+        start, share = 0, rank_share(len(advantages), self.device, self._trainer)  # uneven rollouts across ranks
         for part in parts:
+            part["weight"] = part["weight"] * share
             part["advantages"], start = advantages[start:start + len(part["input_ids"])], start + len(part["input_ids"])
         metrics = {**completion_metrics(completions, seconds), **reward_metrics(self.reward_names, per_func, total, G),
                    "kl": float(torch.cat(kls).mean())}
