@@ -16,7 +16,8 @@ import argparse
 import difflib
 import importlib
 import sys
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 
 class Verb(NamedTuple):
@@ -157,7 +158,9 @@ def convert_verb(argv: list[str]) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace files of --output that this export writes (config.json, weights, tokenizer) "
                              "even though no export wrote them")
-    parser.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer directory to write alongside")
+    parser.add_argument("--tokenizer", default=None,
+                        help="'byte' or a tokenizer directory to write alongside. Default: the tokenizer the run "
+                             "trained with, as its checkpoint records it (none for a Hugging Face --ckpt)")
     parser.add_argument("--adapter", default=None,
                         help="a PEFT LoRA adapter directory (written here or by PEFT) to put on --ckpt")
     parser.add_argument("--merge-lora", action="store_true",
@@ -166,7 +169,6 @@ def convert_verb(argv: list[str]) -> None:
     ns = parser.parse_args(argv)
     from .commands import USER_ERRORS, CommandError, load_adapted
     from .model.lora import merge_lora
-    from .tokenizer import load_tokenizer
 
     try:
         model = load_adapted(ns.ckpt, ns.adapter, option="--ckpt")
@@ -176,11 +178,30 @@ def convert_verb(argv: list[str]) -> None:
         if ns.merge_lora:
             merge_lora(model)
         adapter_only = model.lora_config is not None
-        model.save_pretrained(ns.output, tokenizer=load_tokenizer(ns.tokenizer) if ns.tokenizer else None,
-                              overwrite=ns.overwrite)
+        tokenizer, spec = _export_tokenizer(ns.ckpt, ns.tokenizer)
+        model.save_pretrained(ns.output, tokenizer=tokenizer, overwrite=ns.overwrite)
     except (*USER_ERRORS, FileExistsError) as err:  # the message names the file and the fix
         raise SystemExit(f"astrai-pl convert: {err}") from None
-    print(f"wrote {ns.output} ({'a PEFT adapter directory' if adapter_only else 'a Hugging Face model directory'})")
+    kind = "a PEFT adapter directory" if adapter_only else "a Hugging Face model directory"
+    print(f"wrote {ns.output} ({kind}{f'; tokenizer: {spec}' if spec else ', no tokenizer'})")
+
+
+def _export_tokenizer(ckpt: str, given: str | None) -> tuple[Any, str | None]:
+    """The tokenizer `convert` writes and how it was chosen: `--tokenizer`, else the one the run's checkpoint
+    records (a recorded directory that is gone is an error naming it, not a model without its tokenizer)."""
+    from .checkpoint.loading import recorded_tokenizer
+    from .commands import CommandError
+    from .tokenizer import load_tokenizer
+
+    if given:
+        return load_tokenizer(given), given
+    recorded = recorded_tokenizer(ckpt)
+    if recorded is None:
+        return None, None
+    if recorded != "byte" and not Path(recorded).is_dir():
+        raise CommandError(f"{ckpt} was trained with the tokenizer {recorded!r}, which is not a folder from here; "
+                           "pass it with --tokenizer DIR (or --tokenizer byte)")
+    return load_tokenizer(recorded), f"{recorded} (the run's, as its checkpoint records it)"
 
 
 if __name__ == "__main__":

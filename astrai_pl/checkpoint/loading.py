@@ -67,6 +67,20 @@ def load_transformer(arch: ModelConfig | dict | None, init_from: str | None, qua
     return model if model.lora_config is not None else _quantized(model, quantize)
 
 
+def recorded_tokenizer(ckpt: str | Path) -> str | None:
+    """The tokenizer a run trained with, as its data module recorded it (datamodule_hyper_parameters.tokenizer):
+    'byte' or a tokenizer directory; None for a Hugging Face directory or a checkpoint that records none."""
+    path = Path(resolve_latest(str(ckpt)))
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        return None
+    if path.is_file():  # the weights are mapped, not read: only the metadata is looked at
+        stored = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    else:
+        stored = read_checkpoint(path)
+    spec = (stored.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+    return spec if isinstance(spec, str) and spec else None
+
+
 def _quantized(model: Transformer, quantize: str | None) -> Transformer:
     if quantize is None:
         return model
