@@ -4,6 +4,7 @@ found among its run root's checkpoints by its fingerprint, with one log line nam
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -132,3 +133,44 @@ def test_no_checkpoint_with_the_fingerprint_is_an_error_naming_what_was_searched
     shutil.rmtree(project / "runs" / "pretrain")
     with pytest.raises(CheckpointError, match=r"no such file or directory.*none of the 0 other"):
         load_transformer(None, str(ckpt))
+
+
+# -- the adapter `convert` exports loads with PEFT's one call --------------------------------------------------
+def peft_in_one_call(folder, monkeypatch):
+    peft = pytest.importorskip("peft")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # everything is read from disk; nothing may reach a hub
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return peft.AutoPeftModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+
+
+def test_convert_writes_a_checkpoints_base_beside_the_adapter_for_peft(trained, tmp_path, monkeypatch):
+    from astrai_pl.cli import main
+
+    _, _, ckpt, adapted = trained
+    out = tmp_path / "adapter"
+    main(["convert", "--ckpt", str(ckpt), "--output", str(out), "--tokenizer", "byte"])
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((out / "base").resolve())
+    assert (out / "base" / "config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert same_logits(peft_in_one_call(out, monkeypatch), adapted)
+    main(["convert", "--ckpt", str(ckpt), "--output", str(out), "--tokenizer", "byte"])  # again, over its own
+
+
+def test_an_adapter_on_a_hugging_face_base_names_that_directory(tmp_path, monkeypatch):
+    from astrai_pl.cli import main
+    from astrai_pl.model import Transformer
+    from astrai_pl.tokenizer import Tokenizer
+
+    torch.manual_seed(0)
+    Transformer(ModelConfig.from_name("debug")).save_pretrained(tmp_path / "hf", tokenizer=Tokenizer.byte_level())
+    monkeypatch.chdir(tmp_path)
+    ckpt, adapted = lora_run(tmp_path / "runs", "hf")
+    main(["convert", "--ckpt", str(ckpt), "--output", str(tmp_path / "adapter"), "--tokenizer", "byte"])
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "hf").resolve())
+    assert not (tmp_path / "adapter" / "base").exists()  # no second copy of a base PEFT already reads
+    assert same_logits(peft_in_one_call(tmp_path / "adapter", monkeypatch), adapted)
