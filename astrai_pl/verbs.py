@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     if verb is None:
         raise SystemExit(unknown_verb(words[0]))
     module, function = verb.target.split(":")
+    from .warning_filters import install
+
+    install()  # before the verb's libraries print what says nothing about the run (warning_filters.py)
     run = getattr(importlib.import_module(f"astrai_pl.{module}"), function)
     run(argv) if verb.group == TRAIN else run(words[1:])  # LightningCLI reads the verb itself
 

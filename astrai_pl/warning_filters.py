@@ -20,6 +20,16 @@ once by the command line (cli.py) before anything else of Lightning runs.
   a resumed run has already kept as metrics.before-resume-N.csv (checkpoint/runs.py), so `keep_run_dir_quiet`
   drops that warning for the run directory's own CSVLogger only; a logger the config points elsewhere still
   warns.
+- torchao, imported by transformers and peft (evaluate, the LoRA tests, NF4), logs "Failed to load
+  …/torchao/_C_mxfp8….so: …" and the same for `_C_cutlass_90a` when its wheel's optional MX-FP8 and Hopper
+  CUTLASS kernels do not load with the installed torch. astrai_pl calls neither (NF4 is plain PyTorch), and
+  torchao raises where one is called, so those two lines are dropped; a failure to load any other torchao
+  library still shows.
+- Importing torchao registers its `KernelPreference` and `ScaleCalculationMode` enums as pytree constants,
+  which torch's `_pytree` logs as deprecated ("<enum …> is an Enum subclass and is now natively supported by
+  torch.compile …"): torchao's call, dropped for torchao's enums only.
+
+`install()` runs before any verb's module is imported (verbs.main) and when cli.py is imported.
 """
 
 from __future__ import annotations
@@ -37,6 +47,25 @@ TIP_PREFIX = "💡 Tip:"
 ONE_BATCH = re.compile(r"`Trainer\(limit_(train|val|test|predict)_batches=1\)` was configured so 1 batch will be used\.$")
 LOG_DIR_NOT_EMPTY = "Experiment logs directory {} exists and is not empty."
 RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+TORCHAO_KERNELS = re.compile(r"Failed to load \S*torchao/_C_(mxfp8|cutlass_90a)[\w.-]*\.so: .*", re.DOTALL)
+PYTREE_ENUM = ("%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type. "
+               "Calling register_constant() on Enum subclasses is deprecated and will be an error in a future "
+               "release.")
+TORCHAO_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+class _DropTorchaoNotices(logging.Filter):
+    """Drops torchao's two optional kernel libraries failing to load and torch's notice on torchao's pytree enums;
+    keeps every other record of those loggers."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "torchao":
+            return not TORCHAO_KERNELS.fullmatch(str(record.msg))
+        args = record.args if isinstance(record.args, tuple) else ()
+        from_torchao = len(args) == 1 and str(getattr(args[0], "__module__", "")).startswith("torchao.")
+        return not (record.msg == PYTREE_ENUM and from_torchao)
 
 
 class _DropTip(logging.Filter):
@@ -62,6 +91,8 @@ def install() -> None:
     warnings.filterwarnings("ignore", message=EVAL_MODE)
     for name in RANK_ZERO_LOGGERS:
         logging.getLogger(name).addFilter(_DropTip())
+    for name in TORCHAO_LOGGERS:
+        logging.getLogger(name).addFilter(_DropTorchaoNotices())
 
 
 def keep_run_dir_quiet(run_dir: Path) -> None:
