@@ -30,6 +30,13 @@ once by the command line (cli.py) before anything else of Lightning runs.
   torch.compile …"): torchao's call, dropped for torchao's enums only.
 
 `install()` runs before any verb's module is imported (verbs.main) and when cli.py is imported.
+
+Progress bars that redraw one line with carriage returns fill a log file or pipe with one endless line:
+`library_bars_off_unless_terminal` (run by `install`) turns `datasets`' bars (loading files, `.map`) off when
+stderr is not a terminal (nor a Jupyter kernel's), by HF_DATASETS_DISABLE_PROGRESS_BARS=1 (for later imports and the processes started
+from here; a value the user set is kept) and by `datasets.disable_progress_bars()` once it is imported.
+lm-eval's own bar (building each task's requests) is off then too, inside `evaluate` (evaluation/run.py). A
+fit's progress shows as plain lines instead (callbacks/progress.py).
 """
 
 from __future__ import annotations
@@ -37,8 +44,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
+from typing import IO
 
 DEPRECATIONS = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
 LIGHTNING_CLI = r"lightning\.pytorch\.cli"  # the module whose calls into jsonargparse are deprecated there
@@ -93,6 +102,30 @@ def install() -> None:
         logging.getLogger(name).addFilter(_DropTip())
     for name in TORCHAO_LOGGERS:
         logging.getLogger(name).addFilter(_DropTorchaoNotices())
+    library_bars_off_unless_terminal()
+
+
+DATASETS_BARS_ENV = "HF_DATASETS_DISABLE_PROGRESS_BARS"
+
+
+def is_terminal(stream: IO[str] | None) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):  # a closed or bare stream
+        return False
+
+
+def library_bars_off_unless_terminal(stream: IO[str] | None = None) -> bool:
+    """`datasets`' progress bars off when `stream` (stderr by default) is not a terminal, except in a Jupyter
+    kernel (whose bars are widgets, not lines); whether they were turned off."""
+    if is_terminal(sys.stderr if stream is None else stream) or "ipykernel" in sys.modules:
+        return False
+    os.environ.setdefault(DATASETS_BARS_ENV, "1")
+    if "datasets" in sys.modules and os.environ[DATASETS_BARS_ENV].upper() in ("1", "ON", "YES", "TRUE"):
+        from datasets.utils.tqdm import disable_progress_bars
+
+        disable_progress_bars()
+    return True
 
 
 def keep_run_dir_quiet(run_dir: Path) -> None:

@@ -223,3 +223,29 @@ def test_importing_peft_and_transformers_in_a_verbs_process_prints_nothing():
                           env={**os.environ, "PYTHONWARNINGS": "default"})
     assert done.stdout.strip().endswith("done"), done.stderr[-2000:]
     assert "Failed to load" not in done.stderr and "Enum subclass" not in done.stderr, done.stderr[-2000:]
+
+
+class _Stream:
+    def __init__(self, terminal: bool):
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def test_datasets_bars_are_off_for_output_that_is_not_a_terminal(monkeypatch):
+    import datasets.utils.tqdm  # noqa: F401 (the module, which datasets.utils' `tqdm` class hides)
+
+    bars = sys.modules["datasets.utils.tqdm"]
+    monkeypatch.setattr(bars, "HF_DATASETS_DISABLE_PROGRESS_BARS", None)  # as datasets reads an unset variable
+    monkeypatch.setattr(bars, "_hf_datasets_progress_bars_disabled", False)
+    env = warning_filters.DATASETS_BARS_ENV
+    monkeypatch.delenv(env, raising=False)
+    assert not warning_filters.library_bars_off_unless_terminal(_Stream(terminal=True)) and env not in os.environ
+    assert not bars.are_progress_bars_disabled()
+    assert warning_filters.library_bars_off_unless_terminal(_Stream(terminal=False))
+    assert os.environ[env] == "1" and bars.are_progress_bars_disabled()  # datasets is imported: off at once
+    monkeypatch.setattr(bars, "_hf_datasets_progress_bars_disabled", False)
+    monkeypatch.setenv(env, "0")  # the user's choice stands
+    warning_filters.library_bars_off_unless_terminal(_Stream(terminal=False))
+    assert os.environ[env] == "0" and not bars.are_progress_bars_disabled()

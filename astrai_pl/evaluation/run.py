@@ -23,6 +23,7 @@ from typing import IO, Any
 
 from ..atomic import write_atomically
 from ..commands import USER_ERRORS, _add_model_arguments
+from ..warning_filters import is_terminal
 from .lm import AstraiLM
 from .tasks import SHIPPED, TaskError, check_task_folders, local_task_configs, task_specs
 
@@ -41,7 +42,7 @@ def evaluate(lm: AstraiLM, tasks: Sequence[str | dict[str, Any]], *, include_pat
     specs = task_specs(tasks, include_path)
     # lm-eval's own ~15k task files take ~20 s to index: only when a name is not one of the local tasks
     manager = task_manager(tuple(map(str, include_path)), any(isinstance(s, str) for s in specs))
-    with _environment_without_subprocesses():
+    with _environment_without_subprocesses(), _bars_off_unless_terminal():
         return simple_evaluate(
             model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
             apply_chat_template=apply_chat_template, log_samples=log_samples,
@@ -61,6 +62,29 @@ def _environment_without_subprocesses():
         yield
     finally:
         evaluator.add_env_info = original
+
+
+@contextlib.contextmanager
+def _bars_off_unless_terminal():
+    """lm-eval's bar over each task's documents and `datasets`' bars (loading the task's rows) off inside this
+    block when stderr is not a terminal: they redraw one line with carriage returns, which fills a log."""
+    if is_terminal(sys.stderr):
+        yield
+        return
+    import lm_eval.api.task as task
+    from datasets import config
+    from datasets.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    bar, datasets_were_off = task.tqdm, are_progress_bars_disabled()
+    task.tqdm = functools.partial(bar, disable=True)
+    if config.HF_DATASETS_DISABLE_PROGRESS_BARS is not False:  # not the user's explicit "on"
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        task.tqdm = bar
+        if not datasets_were_off:
+            enable_progress_bars()
 
 
 def _add_environment(storage: dict[str, Any]) -> None:

@@ -190,3 +190,27 @@ def test_the_help_lists_every_shipped_task(capsys):
     names = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
     assert "astrai_arithmetic_small" in names
     assert all(name in text for name in names)
+
+
+def test_no_progress_bar_reaches_output_that_is_not_a_terminal(ours, tmp_path, monkeypatch, capfd):
+    """lm-eval's bar and datasets' bar loading a task's rows (forced here by an empty datasets cache) redraw one
+    line with carriage returns; captured stderr is no terminal, so neither shows."""
+    import datasets.config
+    from datasets.utils.tqdm import are_progress_bars_disabled
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    was_off = are_progress_bars_disabled()
+    capfd.readouterr()
+    evaluate(ours, ["astrai_arithmetic_small"], limit=2)
+    err = capfd.readouterr().err
+    assert "\r" not in err and "it/s" not in err and "examples/s" not in err, err[-500:]
+    assert are_progress_bars_disabled() == was_off  # left as it was found
+
+
+def test_a_terminal_keeps_lm_evals_bar(ours, tmp_path, monkeypatch, capfd):
+    import sys as _sys
+
+    monkeypatch.setattr(_sys.stderr, "isatty", lambda: True, raising=False)
+    capfd.readouterr()
+    evaluate(ours, ["astrai_arithmetic_small"], limit=2)
+    assert "it/s" in capfd.readouterr().err  # the bar the test above does not see
