@@ -174,3 +174,11 @@ def test_an_adapter_on_a_hugging_face_base_names_that_directory(tmp_path, monkey
     assert config["base_model_name_or_path"] == str((tmp_path / "hf").resolve())
     assert not (tmp_path / "adapter" / "base").exists()  # no second copy of a base PEFT already reads
     assert same_logits(peft_in_one_call(tmp_path / "adapter", monkeypatch), adapted)
+
+
+def test_resuming_on_another_base_names_the_recorded_one(trained):
+    project, base, ckpt, _ = trained
+    pretrain_run(project / "runs" / "pretrain", 1, seed=1)  # the config's init_from now reads other weights
+    module = SFT(init_from=WRITTEN, lora=LORA)
+    with pytest.raises(CheckpointError, match=rf"not those this LoRA checkpoint was trained on .*'{base.resolve()}'"):
+        module.on_load_checkpoint(torch.load(ckpt, weights_only=True))
