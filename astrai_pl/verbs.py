@@ -16,7 +16,8 @@ import argparse
 import difflib
 import importlib
 import sys
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 
 class Verb(NamedTuple):
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     if verb is None:
         raise SystemExit(unknown_verb(words[0]))
     module, function = verb.target.split(":")
+    from .warning_filters import install
+
+    install()  # before the verb's libraries print what says nothing about the run (warning_filters.py)
     run = getattr(importlib.import_module(f"astrai_pl.{module}"), function)
     run(argv) if verb.group == TRAIN else run(words[1:])  # LightningCLI reads the verb itself
 
@@ -159,7 +163,9 @@ def convert_verb(argv: list[str]) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace files of --output that this export writes (config.json, weights, tokenizer) "
                              "even though no export wrote them")
-    parser.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer directory to write alongside")
+    parser.add_argument("--tokenizer", default=None,
+                        help="'byte' or a tokenizer directory to write alongside. Default: the tokenizer the run "
+                             "trained with, as its checkpoint records it (none for a Hugging Face --ckpt)")
     parser.add_argument("--adapter", default=None,
                         help="a PEFT LoRA adapter directory (written here or by PEFT) to put on --ckpt")
     parser.add_argument("--merge-lora", action="store_true",
@@ -169,7 +175,6 @@ def convert_verb(argv: list[str]) -> None:
     from .commands import USER_ERRORS, CommandError, load_adapted
     from .hub import resolve_model_option
     from .model.lora import merge_lora
-    from .tokenizer import load_tokenizer
 
     try:
         resolve_model_option(ns, "ckpt")
@@ -180,11 +185,51 @@ def convert_verb(argv: list[str]) -> None:
         if ns.merge_lora:
             merge_lora(model)
         adapter_only = model.lora_config is not None
-        model.save_pretrained(ns.output, tokenizer=load_tokenizer(ns.tokenizer) if ns.tokenizer else None,
-                              overwrite=ns.overwrite)
+        tokenizer, spec = _export_tokenizer(ns.ckpt, ns.tokenizer)
+        base = _peft_base(model, Path(ns.output), tokenizer, ns.overwrite) if adapter_only else None
+        model.save_pretrained(ns.output, tokenizer=tokenizer, overwrite=ns.overwrite)
     except (*USER_ERRORS, FileExistsError) as err:  # the message names the file and the fix
         raise SystemExit(f"astrai-pl convert: {err}") from None
-    print(f"wrote {ns.output} ({'a PEFT adapter directory' if adapter_only else 'a Hugging Face model directory'})")
+    kind = f"a PEFT adapter directory on {base}" if adapter_only else "a Hugging Face model directory"
+    print(f"wrote {ns.output} ({kind}{f'; tokenizer: {spec}' if spec else ', no tokenizer'})")
+
+
+def _peft_base(model: Any, output: Path, tokenizer: Any, overwrite: bool) -> str:
+    """The base an exported adapter names as base_model_name_or_path, which PEFT's one-call
+    `AutoPeftModelForCausalLM.from_pretrained(output)` loads: a Hugging Face directory the base already is (its
+    absolute path), a name that is no local path (a Hub id, as PEFT wrote it), else the base written as a
+    Hugging Face directory into `output/base/`."""
+    from .model.lora import base_of
+
+    extra = model.__dict__.setdefault("adapter_extra", {})
+    named = extra.get("base_model_name_or_path")
+    if named and (Path(named) / "config.json").is_file():
+        extra["base_model_name_or_path"] = str(Path(named).resolve())
+    elif named and not Path(named).exists() and not str(named).endswith(".ckpt"):
+        return str(named)
+    else:
+        folder = output / "base"
+        base_of(model).save_pretrained(folder, tokenizer=tokenizer, overwrite=overwrite)
+        extra["base_model_name_or_path"] = str(folder.resolve())
+    return extra["base_model_name_or_path"]
+
+
+def _export_tokenizer(ckpt: str, given: str | None) -> tuple[Any, str | None]:
+    """The tokenizer `convert` writes and how it was chosen: `--tokenizer`, else the one the run's checkpoint
+    records (a recorded directory that is gone is an error naming it, not a model without its tokenizer)."""
+    from .checkpoint.loading import recorded_tokenizer
+    from .commands import CommandError
+    from .tokenizer import load_tokenizer
+
+    if given:
+        return load_tokenizer(given), given
+    recorded = recorded_tokenizer(ckpt)
+    if recorded is None:
+        return None, None
+    if recorded != "byte" and not Path(recorded).is_dir():
+        raise CommandError(f"{ckpt} was trained with the tokenizer {recorded!r}, which is not a folder from here; "
+                           "pass it with --tokenizer DIR (or --tokenizer byte)")
+    return load_tokenizer(recorded), f"{recorded} (the run's, as its checkpoint records it)"
 
 
 if __name__ == "__main__":

@@ -85,3 +85,43 @@ def test_convert_verb_exports_a_checkpoint(tmp_path):
     torch.testing.assert_close(loaded(ids).logits, module.model(ids).logits)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+def _pretrain_ckpt(path, tokenizer=None):
+    """A Pretrain checkpoint as fit writes it; `tokenizer` the data module's recorded setting, if any."""
+    from astrai_pl.model import ModelConfig
+    from astrai_pl.objectives import Pretrain
+
+    module = Pretrain(arch=ModelConfig.from_name("debug"))
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(checkpoint)
+    if tokenizer is not None:
+        checkpoint["datamodule_hyper_parameters"] = {"tokenizer": tokenizer, "seq_len": 64}
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_convert_writes_the_tokenizer_the_run_trained_with(tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(["the cat sat on the mat", "the dog sat on the log"] * 200))
+    main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "300", "--output", str(tmp_path / "tok")])
+    ckpt = _pretrain_ckpt(tmp_path / "bpe.ckpt", tokenizer=str(tmp_path / "tok"))
+    main(["convert", "--ckpt", str(ckpt), "--output", str(tmp_path / "hf")])
+    assert "the run's, as its checkpoint records it" in capsys.readouterr().out
+    exported = Tokenizer.from_pretrained(tmp_path / "hf")
+    trained = Tokenizer.from_pretrained(tmp_path / "tok")
+    assert exported.vocab_size == trained.vocab_size and exported.encode("the cat") == trained.encode("the cat")
+
+    main(["convert", "--ckpt", str(_pretrain_ckpt(tmp_path / "byte.ckpt", "byte")), "--output", str(tmp_path / "b")])
+    assert Tokenizer.from_pretrained(tmp_path / "b").vocab_size == Tokenizer.byte_level().vocab_size
+
+
+def test_convert_names_a_recorded_tokenizer_that_is_gone_and_writes_none_without_a_record(tmp_path, capsys):
+    ckpt = _pretrain_ckpt(tmp_path / "gone.ckpt", tokenizer=str(tmp_path / "moved-away"))
+    with pytest.raises(SystemExit, match=r"moved-away.*--tokenizer DIR"):
+        main(["convert", "--ckpt", str(ckpt), "--output", str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()
+    main(["convert", "--ckpt", str(ckpt), "--output", str(tmp_path / "hf"), "--tokenizer", "byte"])  # the way out
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    main(["convert", "--ckpt", str(_pretrain_ckpt(tmp_path / "none.ckpt")), "--output", str(tmp_path / "bare")])
+    assert "no tokenizer" in capsys.readouterr().out and not (tmp_path / "bare" / "tokenizer.json").exists()

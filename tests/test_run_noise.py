@@ -191,3 +191,61 @@ def test_a_missing_checkpoint_is_one_line_naming_the_option(tmp_path, verb, opti
     message = str(stop.value.code)
     assert message.count("\n") == 0 and f"{option} {missing}: no such file or directory" in message
     assert "init_from" not in message
+
+
+def test_torchaos_kernel_and_pytree_notices_are_dropped_and_its_other_messages_kept(monkeypatch):
+    import enum
+
+    monkeypatch.setattr(warning_filters, "_installed", False)
+    warning_filters.install()
+    site = "/venv/lib/python3.11/site-packages/torchao"
+    ao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+
+    def record(logger, msg, *args):
+        return logging.LogRecord(logger.name, logging.WARNING, __file__, 1, msg, args or None, None)
+
+    for name in ("_C_mxfp8.cpython-310-x86_64-linux-gnu.so", "_C_cutlass_90a.abi3.so"):
+        assert not ao.filter(record(ao, f"Failed to load {site}/{name}: Could not load this library: {site}/{name}"))
+    assert ao.filter(record(ao, f"Failed to load {site}/_C.abi3.so: undefined symbol"))  # another library: shown
+    assert ao.filter(record(ao, "Skipping import of cpp extensions due to incompatible torch version"))
+    theirs = enum.Enum("KernelPreference", "AUTO")
+    theirs.__module__ = "torchao.quantization.quantize_.common.kernel_preference"
+    ours = enum.Enum("Mine", "A")
+    assert not pytree.filter(record(pytree, warning_filters.PYTREE_ENUM, theirs))
+    assert pytree.filter(record(pytree, warning_filters.PYTREE_ENUM, ours))  # another library's enum: shown
+
+
+@pytest.mark.slow  # importing peft and transformers takes ~15 s
+def test_importing_peft_and_transformers_in_a_verbs_process_prints_nothing():
+    code = ("from astrai_pl.verbs import main\ntry:\n    main(['tokenizer', '--help'])\nexcept SystemExit:\n    pass\n"
+            "import peft, transformers.modeling_utils\nprint('done')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert done.stdout.strip().endswith("done"), done.stderr[-2000:]
+    assert "Failed to load" not in done.stderr and "Enum subclass" not in done.stderr, done.stderr[-2000:]
+
+
+class _Stream:
+    def __init__(self, terminal: bool):
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def test_datasets_bars_are_off_for_output_that_is_not_a_terminal(monkeypatch):
+    import datasets.utils.tqdm  # noqa: F401 (the module, which datasets.utils' `tqdm` class hides)
+
+    bars = sys.modules["datasets.utils.tqdm"]
+    monkeypatch.setattr(bars, "HF_DATASETS_DISABLE_PROGRESS_BARS", None)  # as datasets reads an unset variable
+    monkeypatch.setattr(bars, "_hf_datasets_progress_bars_disabled", False)
+    env = warning_filters.DATASETS_BARS_ENV
+    monkeypatch.delenv(env, raising=False)
+    assert not warning_filters.library_bars_off_unless_terminal(_Stream(terminal=True)) and env not in os.environ
+    assert not bars.are_progress_bars_disabled()
+    assert warning_filters.library_bars_off_unless_terminal(_Stream(terminal=False))
+    assert os.environ[env] == "1" and bars.are_progress_bars_disabled()  # datasets is imported: off at once
+    monkeypatch.setattr(bars, "_hf_datasets_progress_bars_disabled", False)
+    monkeypatch.setenv(env, "0")  # the user's choice stands
+    warning_filters.library_bars_off_unless_terminal(_Stream(terminal=False))
+    assert os.environ[env] == "0" and not bars.are_progress_bars_disabled()

@@ -17,6 +17,7 @@ from ..model.config import ConfigError
 from ..model.hf import CheckpointError, NonFiniteWeightError, export_dir, nonfinite_tensors, read_config
 from ..model.lora import apply_lora, merge_lora
 from ..model.nf4 import quantize_base
+from . import lora_base
 from .archive import interrupted_copy, is_sharded_checkpoint, read_checkpoint
 from .runs import resolve_latest
 
@@ -87,6 +88,20 @@ def meta_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> 
         return Transformer(read_config(folder)), folder
 
 
+def recorded_tokenizer(ckpt: str | Path) -> str | None:
+    """The tokenizer a run trained with, as its data module recorded it (datamodule_hyper_parameters.tokenizer):
+    'byte' or a tokenizer directory; None for a Hugging Face directory or a checkpoint that records none."""
+    path = Path(resolve_latest(str(ckpt)))
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        return None
+    if path.is_file():  # the weights are mapped, not read: only the metadata is looked at
+        stored = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    else:
+        stored = read_checkpoint(path)
+    spec = (stored.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+    return spec if isinstance(spec, str) and spec else None
+
+
 def _quantized(model: Transformer, quantize: str | None) -> Transformer:
     if quantize is None:
         return model
@@ -117,38 +132,75 @@ _BASES_BEING_READ: contextvars.ContextVar[tuple[Path, ...]] = contextvars.Contex
 
 
 def adapted_base(path: Path, ckpt: dict[str, Any], arch: ModelConfig | dict | None) -> Transformer:
-    """The base of a LoRA run's checkpoint, read again from the init_from it records, with the run's adapter
-    added (its weights still to load): the checkpoint itself holds only the adapter."""
+    """The base of a LoRA run's checkpoint, read again from the init_from it records (or found by its fingerprint
+    among its run's checkpoints, checkpoint/lora_base.py), with the run's adapter added (its weights still to
+    load): the checkpoint itself holds only the adapter."""
     base = ckpt["lora_base"]
     hparams = ckpt.get("hyper_parameters") or {}
     if not isinstance(base, dict) or not base.get("init_from") or not isinstance(hparams.get("lora"), dict):
         raise CheckpointError(f"{path}: a LoRA checkpoint without the base it was trained on (lora_base.init_from) "
                               "or its adapter settings (hyper_parameters.lora). Fix: use a checkpoint that "
                               "astrai-pl fit wrote for a LoRA run.")
-    chain, target = (*_BASES_BEING_READ.get(), path.resolve()), Path(base["init_from"]).resolve()
+    model, used = _trained_base(path, base, hparams.get("quantize"), arch)
+    if hparams.get("quantize") == "nf4":  # after the merge, as the run quantised it (a no-op when read as NF4)
+        quantize_base(model)
+    add_stored_adapter(path, model, hparams["lora"])
+    model.__dict__["adapter_extra"] = {"base_model_name_or_path": used}  # for its PEFT export
+    return model
+
+
+def _read_base(path: Path, init_from: str, quantize: str | None, arch: ModelConfig | dict | None) -> Transformer:
+    """The model in `init_from` as the LoRA checkpoint `path` trained on it (a LoRA base merged), refusing bases
+    that lead back to a checkpoint being read."""
+    chain, target = (*_BASES_BEING_READ.get(), path.resolve()), Path(init_from).resolve()
     if target in chain:  # LoRA checkpoints whose lora_base.init_from name each other: refused by path
         cycle = " -> ".join(map(str, (*chain[chain.index(target):], target)))
         raise CheckpointError(f"{path}: the lora_base.init_from of LoRA checkpoints lead in a circle ({cycle}), so "
                               "none has a base to read. Fix: point init_from at the model the adapter was trained on.")
     token = _BASES_BEING_READ.set(chain)
     try:  # a QLoRA run's base is read into NF4 again, as it was trained
-        model = load_transformer(arch, base["init_from"], quantize=hparams.get("quantize"))
+        model = load_transformer(arch, init_from, quantize=quantize)
     except CheckpointError as err:
         raise CheckpointError(f"{path}: holds a LoRA adapter whose base is read from init_from="
-                              f"{base['init_from']!r}, which failed: {err}") from err
+                              f"{init_from!r}, which failed: {err}") from err
     finally:
         _BASES_BEING_READ.reset(token)
     if model.lora_config is not None:  # its base was itself a LoRA run's checkpoint: merged, as the run did
         merge_lora(model)
-    saved = base.get("fingerprint")
-    if saved is not None and not math.isclose(saved, weights_fingerprint(model), rel_tol=1e-9):
-        raise CheckpointError(f"{path}: the base weights at init_from={base['init_from']!r} are not those the "
-                              "adapter was trained on (their fingerprint differs). Fix: restore that base model.")
-    if hparams.get("quantize") == "nf4":  # after the merge, as the run quantised it (a no-op when read as NF4)
-        quantize_base(model)
-    add_stored_adapter(path, model, hparams["lora"])
-    model.__dict__["adapter_extra"] = {"base_model_name_or_path": str(base["init_from"])}  # for its PEFT export
     return model
+
+
+def _trained_base(path: Path, base: dict[str, Any], quantize: str | None, arch: ModelConfig | dict | None
+                  ) -> tuple[Transformer, str]:
+    """The base the adapter of `path` was trained on and where it was read: the recorded init_from, else (gone,
+    or other weights there) the first checkpoint of its run root with the recorded fingerprint."""
+    recorded, saved = str(base["init_from"]), base.get("fingerprint")
+    try:
+        model = _read_base(path, recorded, quantize, arch)
+    except CheckpointError as err:
+        if saved is None or "://" in recorded or Path(resolve_latest(recorded)).exists():
+            raise  # not a moved base: what failed is named as it was
+        why, failure = "is gone", err
+    else:
+        if saved is None or math.isclose(saved, weights_fingerprint(model), rel_tol=1e-9):
+            return model, recorded
+        why, failure = "holds other weights", None
+    skip = (Path(recorded), path, *_BASES_BEING_READ.get())
+    searched = 0
+    for candidate in lora_base.candidates(path, base, skip):
+        searched += 1
+        try:
+            model = _read_base(path, str(candidate), quantize, arch)
+        except CheckpointError:
+            continue  # a damaged or unrelated checkpoint of the run: not the base
+        if math.isclose(saved, weights_fingerprint(model), rel_tol=1e-9):
+            lora_base.note_found(path, recorded, candidate, why)
+            return model, str(candidate)
+    roots = ", ".join(map(str, lora_base.search_roots(path, base))) or "no run folder found"
+    detail = (f"{failure}" if failure is not None else f"{path}: the base weights at init_from={recorded!r} are "
+              "not those the adapter was trained on (their fingerprint differs)")
+    raise CheckpointError(f"{detail}; none of the {searched} other checkpoint(s) of its runs ({roots}) holds them. "
+                          "Fix: restore that base model where init_from names it.") from None
 
 
 def checkpoint_arch(path: Path, ckpt: dict[str, Any], arch: ModelConfig | dict | None) -> ModelConfig:

@@ -1,9 +1,10 @@
 """`astrai-pl evaluate`: lm-eval tasks on a model through the engine; results in lm-eval's format.
 
     astrai-pl evaluate --model hf_dir/ --tasks astrai_arithmetic,astrai_next_sentence --output results.json
-    astrai-pl evaluate --model last.ckpt --tasks my_task --include-path my_tasks/ --trust-task-code --limit 100 --apply-chat-template
+    astrai-pl evaluate --model last.ckpt --tasks my_task --include-path my_tasks/ --trust-task-code --limit 100
 
-The shipped tasks (astrai_pl/eval_tasks/) are found by name; `--include-path` adds folders of lm-eval task
+A model whose tokenizer has a chat template is asked through it (one line says so; `--no-chat-template`: plain
+text), as `generate` does and as the SFT/DPO/GRPO data present their questions. The shipped tasks (astrai_pl/eval_tasks/) are found by name; `--include-path` adds folders of lm-eval task
 YAML files; they are code (lm-eval renders their templates unsandboxed), so `--trust-task-code` must say that
 you trust them. The results file is lm-eval's results dictionary (what `lm_eval --output_path` writes), written
 to a temporary file and renamed over the target, so it is complete or absent; the table is printed.
@@ -22,8 +23,9 @@ from typing import IO, Any
 
 from ..atomic import write_atomically
 from ..commands import USER_ERRORS, _add_model_arguments
+from ..warning_filters import is_terminal
 from .lm import AstraiLM
-from .tasks import SHIPPED, TaskError, check_task_folders, task_specs
+from .tasks import SHIPPED, TaskError, check_task_folders, local_task_configs, task_specs
 
 
 def evaluate(lm: AstraiLM, tasks: Sequence[str | dict[str, Any]], *, include_path: Sequence[str | Path] = (),
@@ -40,7 +42,7 @@ def evaluate(lm: AstraiLM, tasks: Sequence[str | dict[str, Any]], *, include_pat
     specs = task_specs(tasks, include_path)
     # lm-eval's own ~15k task files take ~20 s to index: only when a name is not one of the local tasks
     manager = task_manager(tuple(map(str, include_path)), any(isinstance(s, str) for s in specs))
-    with _environment_without_subprocesses():
+    with _environment_without_subprocesses(), _bars_off_unless_terminal():
         return simple_evaluate(
             model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
             apply_chat_template=apply_chat_template, log_samples=log_samples,
@@ -60,6 +62,29 @@ def _environment_without_subprocesses():
         yield
     finally:
         evaluator.add_env_info = original
+
+
+@contextlib.contextmanager
+def _bars_off_unless_terminal():
+    """lm-eval's bar over each task's documents and `datasets`' bars (loading the task's rows) off inside this
+    block when stderr is not a terminal: they redraw one line with carriage returns, which fills a log."""
+    if is_terminal(sys.stderr):
+        yield
+        return
+    import lm_eval.api.task as task
+    from datasets import config
+    from datasets.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    bar, datasets_were_off = task.tqdm, are_progress_bars_disabled()
+    task.tqdm = functools.partial(bar, disable=True)
+    if config.HF_DATASETS_DISABLE_PROGRESS_BARS is not False:  # not the user's explicit "on"
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        task.tqdm = bar
+        if not datasets_were_off:
+            enable_progress_bars()
 
 
 def _add_environment(storage: dict[str, Any]) -> None:
@@ -106,9 +131,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="astrai-pl evaluate",
         description="Run lm-evaluation-harness tasks on a model through the inference engine.")
     _add_model_arguments(parser)
+    shipped = ", ".join(sorted(local_task_configs([SHIPPED])))
     parser.add_argument("--tasks", required=True,
-                        help="comma-separated task names: shipped (astrai_arithmetic, astrai_next_sentence), "
-                             "from --include-path, or lm-eval's own")
+                        help=f"comma-separated task names: shipped ({shipped}), from --include-path, or lm-eval's own")
     parser.add_argument("--include-path", action="append", default=[],
                         help="a folder of lm-eval task YAML files; repeat for several (needs --trust-task-code)")
     parser.add_argument("--trust-task-code", action="store_true",
@@ -119,8 +144,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="documents per task (a number >= 1) or a share of them (below 1)")
     parser.add_argument("--batch-size", default=None,
                         help="accepted for lm-eval's command lines; the engine batches every request itself")
-    parser.add_argument("--apply-chat-template", action="store_true",
-                        help="render each prompt (few-shot turns included) with the tokenizer's chat template")
+    parser.add_argument("--chat-template", "--apply-chat-template", action=argparse.BooleanOptionalAction,
+                        default=None, dest="chat_template",
+                        help="render each prompt (few-shot turns included) with the tokenizer's chat template. "
+                             "Default: when the tokenizer has one (--no-chat-template: plain text)")
     parser.add_argument("--seed", type=int, default=0, help="seeds lm-eval's few-shot sampling and shuffles")
     parser.add_argument("--output", default=None, help="write lm-eval's results JSON here")
     return parser
@@ -143,6 +170,19 @@ def _check(ns: argparse.Namespace) -> list[str]:
     return tasks
 
 
+def _templates_prompts(choice: bool | None, lm: AstraiLM, stdout: IO[str]) -> bool:
+    """Whether prompts go through the chat template: as `--[no-]chat-template` says, else when the tokenizer has
+    one, which one line on `stdout` then says."""
+    has_template = lm.tokenizer.chat_template is not None
+    if choice and not has_template:
+        raise TaskError("--chat-template: the tokenizer has no chat template; pass --tokenizer DIR with one, "
+                        "or leave the flag out")
+    if choice is None and has_template:
+        stdout.write("astrai-pl evaluate: prompts go through the tokenizer's chat template "
+                     "(--no-chat-template: plain text)\n")
+    return has_template if choice is None else choice
+
+
 def evaluate_verb(argv: list[str], stdout: IO[str] | None = None) -> dict[str, Any]:
     """`astrai-pl evaluate`: print lm-eval's table and write its results JSON to --output."""
     ns = _parser().parse_args(argv)
@@ -151,8 +191,9 @@ def evaluate_verb(argv: list[str], stdout: IO[str] | None = None) -> dict[str, A
         tasks = _check(ns)
         lm = AstraiLM.from_pretrained(ns.model, ns.adapter, tokenizer=ns.tokenizer, device=ns.device,
                                       dtype=ns.dtype, max_total_tokens=ns.max_total_tokens)
+        templated = _templates_prompts(ns.chat_template, lm, stdout)
         results = evaluate(lm, tasks, include_path=ns.include_path, num_fewshot=ns.num_fewshot, limit=ns.limit,
-                           apply_chat_template=ns.apply_chat_template, seed=ns.seed,
+                           apply_chat_template=templated, seed=ns.seed,
                            trust_task_code=ns.trust_task_code)
     except (*USER_ERRORS, TaskError, KeyError) as err:
         raise SystemExit(f"astrai-pl evaluate: {err}") from None

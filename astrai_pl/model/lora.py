@@ -30,6 +30,7 @@ policy of DPO and GRPO) also restores those modules.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import re
@@ -338,6 +339,19 @@ def merge_lora(model: nn.Module) -> nn.Module:
     model.lora_config = None
     model.__dict__.pop("lora_originals", None)
     return model
+
+
+def base_of(model: nn.Module) -> nn.Module:
+    """A copy of `model` without its adapter: the base it was trained on (an NF4 base dequantised), its
+    modules_to_save at their original weights. `model` itself is left as it is."""
+    base = copy.deepcopy(model)
+    params = dict(base.named_parameters())
+    with torch.no_grad():
+        for _, module in lora_modules(base):
+            module.lora_B.weight.zero_()  # W + s·B·A with B = 0: the base weight, exactly
+        for key, original in getattr(base, "lora_originals", {}).items():
+            params[key].copy_(original)
+    return merge_lora(base)
 
 
 def trainable_summary(model: nn.Module) -> str:

@@ -18,6 +18,7 @@ from torchmetrics import MeanMetric
 
 from ..checkpoint import CheckpointError, load_transformer
 from ..checkpoint.loading import meta_transformer, weights_fingerprint
+from ..checkpoint.lora_base import base_record
 from ..deferred_init import check_meta_build, materialize, meta_skeleton, on_meta
 from ..model import ConfigError, LoraConfig, ModelConfig
 from ..model.lora import adapter_state, adapters_disabled, apply_lora, merge_lora, trainable_summary
@@ -181,9 +182,11 @@ class Objective(L.LightningModule, ABC):
         if self.model.lora_config is not None:  # init_from a LoRA run's checkpoint: its adapter joins the base
             merge_lora(self.model)
         self.arch = self.model.config
-        self.base_fingerprint = None
+        self.base_fingerprint, self.base_record = None, None
         if lora is not None:
             self.base_fingerprint = weights_fingerprint(self.model)
+            if init_from:  # where the base is now, `latest` resolved: a later run may move it
+                self.base_record = base_record(init_from, self.base_fingerprint)
             if quantize is not None:  # after a loaded adapter is merged; already NF4 when read from a directory
                 quantize_base(self.model)
             apply_lora(self.model, as_lora(lora))
@@ -216,7 +219,7 @@ class Objective(L.LightningModule, ABC):
         keep = self._adapter_keys()
         state = checkpoint.get("state_dict", {})
         checkpoint["state_dict"] = {k: v for k, v in state.items() if k in keep or not k.startswith("model.")}
-        checkpoint["lora_base"] = {"init_from": self.hparams.get("init_from"), "fingerprint": self.base_fingerprint}
+        checkpoint["lora_base"] = self.base_record
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A LoRA run resumes from a checkpoint of the same adapter on the same base: both are checked here,
@@ -229,11 +232,13 @@ class Objective(L.LightningModule, ABC):
             raise CheckpointError(f"this checkpoint lacks {len(missing)} weight(s) of the LoRA adapter configured "
                                   f"in model.init_args.lora (e.g. {missing[0]}). Fix: resume with the lora "
                                   "settings it was trained with, or start a new run from it with init_from")
-        saved = checkpoint.get("lora_base", {}).get("fingerprint")
+        record = checkpoint.get("lora_base", {})
+        saved = record.get("fingerprint")
         if saved is not None and not math.isclose(saved, self.base_fingerprint, rel_tol=1e-9):
             raise CheckpointError(f"the base weights in model.init_args.init_from={self.hparams.get('init_from')!r} "
                                   "are not those this LoRA checkpoint was trained on (their fingerprint differs). "
-                                  "Fix: point init_from at the same base model")
+                                  "Fix: point init_from at the same base model: the checkpoint records "
+                                  f"{record.get('init_from')!r} (--model.init_args.init_from with that path)")
 
     def on_fit_start(self) -> None:
         if self.model.lora_config is not None:

@@ -145,3 +145,72 @@ def test_results_record_the_environment_without_running_collect_env(ours, monkey
     assert torch.__version__ in results["pretty_env_info"]
     assert results["transformers_version"] and results["lm_eval_version"]
     assert "astrai_arithmetic_small" in results["results"]
+
+
+def _chat_template_run(hf_dir, monkeypatch, *flags):
+    """What the verb prints and the apply_chat_template it hands lm-eval (the run itself is lm-eval's)."""
+    import astrai_pl.evaluation.run as run
+
+    seen, stdout = [], io.StringIO()
+    real = run.evaluate
+    monkeypatch.setattr(run, "evaluate", lambda *a, **kw: seen.append(kw["apply_chat_template"]) or real(*a, **kw))
+    evaluate_verb(["--model", str(hf_dir), "--tasks", "astrai_arithmetic_small", "--limit", "1",
+                   "--max-total-tokens", "2048", *flags], stdout=stdout)
+    return seen, stdout.getvalue()
+
+
+def test_a_model_with_a_chat_template_is_asked_through_it_unless_told_not_to(hf_dir, monkeypatch):
+    seen, printed = _chat_template_run(hf_dir, monkeypatch)
+    assert seen == [True] and "chat template (--no-chat-template: plain text)" in printed
+    assert printed.count("chat template") == 1
+    seen, printed = _chat_template_run(hf_dir, monkeypatch, "--no-chat-template")
+    assert seen == [False] and "chat template" not in printed
+    seen, printed = _chat_template_run(hf_dir, monkeypatch, "--apply-chat-template")  # lm-eval's spelling
+    assert seen == [True] and "chat template" not in printed  # asked for: nothing to announce
+
+
+def test_asking_for_a_chat_template_the_tokenizer_lacks_is_refused(hf_dir, tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in hf_dir.iterdir():
+        (plain / f.name).write_bytes(f.read_bytes())
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(SystemExit, match="no chat template"):
+        main(["evaluate", "--model", str(plain), "--tasks", "astrai_arithmetic_small", "--chat-template",
+              "--max-total-tokens", "2048"])
+
+
+def test_the_help_lists_every_shipped_task(capsys):
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    names = sorted(p.stem for p in SHIPPED.glob("*.yaml"))
+    assert "astrai_arithmetic_small" in names
+    assert all(name in text for name in names)
+
+
+def test_no_progress_bar_reaches_output_that_is_not_a_terminal(ours, tmp_path, monkeypatch, capfd):
+    """lm-eval's bar and datasets' bar loading a task's rows (forced here by an empty datasets cache) redraw one
+    line with carriage returns; captured stderr is no terminal, so neither shows."""
+    import datasets.config
+    from datasets.utils.tqdm import are_progress_bars_disabled
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    was_off = are_progress_bars_disabled()
+    capfd.readouterr()
+    evaluate(ours, ["astrai_arithmetic_small"], limit=2)
+    err = capfd.readouterr().err
+    assert "\r" not in err and "it/s" not in err and "examples/s" not in err, err[-500:]
+    assert are_progress_bars_disabled() == was_off  # left as it was found
+
+
+def test_a_terminal_keeps_lm_evals_bar(ours, tmp_path, monkeypatch, capfd):
+    import sys as _sys
+
+    monkeypatch.setattr(_sys.stderr, "isatty", lambda: True, raising=False)
+    capfd.readouterr()
+    evaluate(ours, ["astrai_arithmetic_small"], limit=2)
+    assert "it/s" in capfd.readouterr().err  # the bar the test above does not see
