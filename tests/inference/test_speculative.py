@@ -2,6 +2,7 @@
 memory rolled back, and the sampled output distribution equal to the plain sampler's."""
 
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from astrai_pl.inference import Engine, EngineConfigError, SamplingParams, SpeculativeConfig
 from astrai_pl.inference.request import Request
+from astrai_pl.inference.sampling import sample
 from astrai_pl.inference.speculative import propose_ngram, target_probs, verify_drafts
 from astrai_pl.model import ModelConfig, Transformer
 
@@ -149,19 +151,21 @@ def test_sampled_requests_run_and_are_reproducible_with_a_seed(copier):
 
 
 # -- the rejection scheme keeps the target distribution -------------------------------------------------------
-V, DRAWS = 6, 40000
+V, DRAWS = 6, 12000
 
 
 def _rows(params, context, drafts, logits_rows):
-    """DRAWS requests with the same context, draft and target rows, verified in one call."""
+    """DRAWS requests with the same context and target rows, request i with draft drafts[i % len(drafts)],
+    verified in one call; their outcomes, grouped by draft."""
     reqs = []
-    for i in range(DRAWS):
-        req = Request(f"r{i}", list(context), params, None)
-        req.tokens.append(context[-1])  # one output token so far
-        req.draft = list(drafts)
-        reqs.append(req)
-    logits = torch.stack(logits_rows).repeat(DRAWS, 1)  # (DRAWS * (k + 1), V)
-    return verify_drafts(logits, reqs)
+    for i in range(DRAWS):  # what verification reads of a request; one output token so far
+        reqs.append(SimpleNamespace(tokens=context + context[-1:], num_prompt=len(context), params=params,
+                                    seed=None, draft=list(drafts[i % len(drafts)])))
+    k = len(drafts[0])
+    assert all(len(d) == k for d in drafts)
+    logits = torch.stack(logits_rows[: k + 1]).repeat(DRAWS, 1)  # (DRAWS * (k + 1), V)
+    out = verify_drafts(logits, reqs)
+    return [out[g :: len(drafts)] for g in range(len(drafts))]
 
 
 def _within(counts: torch.Tensor, p: torch.Tensor, n: int) -> None:
@@ -178,16 +182,13 @@ def test_the_first_token_has_the_plain_samplers_distribution(knobs):
     params = SamplingParams(max_tokens=8, **knobs)
     context = [1, 3, 3]
     rows = [torch.tensor([0.5, 1.0, -0.3, 2.0, 0.1, 0.9]), torch.tensor([1.5, -1.0, 0.3, 0.2, 0.0, 0.4])]
-    for draft in ([3], [5], [2]):  # likely, middling and (under top-k) excluded
-        out = _rows(params, context, draft, rows[:2])
-        first = torch.bincount(torch.tensor([v.tokens[0] for v in out]), minlength=V)
-        p = target_probs(rows[0][None], [params], [context + [3]], [1])[0]
-        _within(first, p, DRAWS)
-        # the plain sampler's own draws, as a check on p itself
-        from astrai_pl.inference.sampling import sample
-        plain, _, _ = sample(rows[0][None].repeat(DRAWS, 1), [params] * DRAWS, [context + [3]] * DRAWS,
-                             [1] * DRAWS, [None] * DRAWS)
-        _within(torch.bincount(torch.tensor(plain), minlength=V), p, DRAWS)
+    p = target_probs(rows[0][None], [params], [context + [3]], [1])[0]
+    for group in _rows(params, context, ([3], [5], [2]), rows):  # likely, middling and (under top-k) excluded
+        _within(torch.bincount(torch.tensor([v.tokens[0] for v in group]), minlength=V), p, len(group))
+    # the plain sampler's own draws, as a check on p itself
+    plain, _, _ = sample(rows[0][None].repeat(DRAWS, 1), [params] * DRAWS, [context + [3]] * DRAWS,
+                         [1] * DRAWS, [None] * DRAWS)
+    _within(torch.bincount(torch.tensor(plain), minlength=V), p, DRAWS)
 
 
 def test_the_token_after_an_accepted_draft_follows_its_own_row():
@@ -195,7 +196,7 @@ def test_the_token_after_an_accepted_draft_follows_its_own_row():
     params = SamplingParams(max_tokens=8, temperature=0.9, frequency_penalty=0.4)
     context = [4, 0]
     rows = [torch.tensor([0.2, 0.1, 1.4, -0.5, 0.7, 0.0]), torch.tensor([-0.4, 1.2, 0.3, 0.9, 0.0, 0.6])]
-    out = _rows(params, context, [2], rows)
+    [out] = _rows(params, context, ([2],), rows)
     seconds = torch.tensor([v.tokens[1] for v in out if v.tokens[0] == 2])
     p = target_probs(rows[1][None], [params], [context + [0, 2]], [2])[0]  # its context holds the draft
     _within(torch.bincount(seconds, minlength=V), p, len(seconds))
