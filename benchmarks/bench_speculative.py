@@ -45,21 +45,23 @@ def random_model(config: ModelConfig, seed: int = 0) -> Transformer:
 
 def copying_model(config: ModelConfig, seed: int = 0, follow: float = 4.0, mix: float = 0.1) -> tuple[Transformer, list[int]]:
     """A model whose greedy output follows a fixed cycle over the vocabulary (token t → cycle successor), and
-    that cycle. The layers' output projections are scaled down so the residual stream stays near the current
-    token's embedding; the output projection's row for t's successor is `follow` × t's normalised embedding."""
+    that cycle. Every layer's output projections are scaled to `mix` / sqrt(fan-in) so the residual stream stays
+    near the current token's embedding (attention and MLP only nudge it); the output projection's row for t's
+    successor is `follow` × t's embedding direction."""
     model = random_model(config, seed)
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(config.vocab_size - 8, generator=g) + 8  # ids below 8: special tokens, left out
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                param.mul_(mix)
+            if param.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                param.normal_(0.0, 1.0 / param.shape[1] ** 0.5)
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    param.mul_(mix * 8)
         embed = model.embed_tokens.weight
-        unit = embed / embed.norm(dim=-1, keepdim=True) * config.hidden_size**0.5
+        unit = embed / embed.norm(dim=-1, keepdim=True)
         head = model.lm_head.weight
-        head.copy_(head * 0.5)
-        nxt = order.roll(-1)
-        head[nxt] += follow * unit[order] / config.hidden_size**0.5
+        head.mul_(0.5)
+        head[order.roll(-1)] += follow * unit[order]
     return model, order.tolist()
 
 

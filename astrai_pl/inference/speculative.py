@@ -25,6 +25,7 @@ eagerly: a recorded decode step (decode_graphs.py) only replays one-token decode
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -88,16 +89,37 @@ class SpeculativeConfig:
         return cls(**values)
 
 
-def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the context's last n tokens (the longest n
-    in [n_min, n_max] that occurs); [] when none does."""
+class NgramIndex:
+    """Where each token id occurs in a request's context, kept up to date as the context grows."""
+
+    def __init__(self) -> None:
+        self.positions: dict[int, list[int]] = {}
+        self.size = 0
+
+    def update(self, tokens: list[int]) -> None:
+        for i in range(self.size, len(tokens)):
+            self.positions.setdefault(tokens[i], []).append(i)
+        self.size = len(tokens)
+
+
+def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int, index: NgramIndex | None = None) -> list[int]:
+    """Up to k tokens that followed an earlier occurrence of the context's last n tokens: the longest n in
+    [n_min, n_max] that occurs, its latest occurrence; [] when none does. Only the earlier positions of the last
+    token are examined (`index`, built here when not given)."""
+    if index is None:
+        index = NgramIndex()
+    index.update(tokens)
     size = len(tokens)
-    for n in range(min(n_max, size - 1), n_min - 1, -1):
-        pattern, first = tokens[size - n :], tokens[size - n]
-        for start in range(size - n - 1, -1, -1):  # an occurrence with at least one token after it
-            if tokens[start] == first and tokens[start : start + n] == pattern:
-                return tokens[start + n : start + n + k]
-    return []
+    best, best_n = -1, n_min - 1
+    for end in reversed(index.positions.get(tokens[-1], [])[:-1]):  # latest first; the suffix itself left out
+        n = 1
+        while n < n_max and end - n >= 0 and tokens[end - n] == tokens[size - 1 - n]:
+            n += 1
+        if n > best_n:
+            best, best_n = end, n
+            if n == n_max:
+                break
+    return [] if best < 0 else tokens[best + 1 : best + 1 + k]
 
 
 def target_probs(
@@ -232,6 +254,8 @@ class SpeculativeSteps:
         """A draft for every running request that decodes its next token now (not a session's turn: its memory
         goes back to the session exactly as computed)."""
         cfg = self.speculative
+        if not hasattr(self, "_ngram_indexes"):  # each request's index, dropped with the request
+            self._ngram_indexes: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
         for req in self.scheduler.running:
             if (req.remaining != 1 or len(req.tokens) <= req.num_prompt or not req.prompt_cached
                     or req.ready_logits is not None or req.session is not None):
@@ -239,7 +263,8 @@ class SpeculativeSteps:
             room = min(cfg.num_speculative_tokens, req.params.max_tokens - len(req.output_ids) - 1,
                        self.max_context - len(req.tokens) - 1)
             if room > 0:
-                req.draft = propose_ngram(req.tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                index = self._ngram_indexes.setdefault(req, NgramIndex())
+                req.draft = propose_ngram(req.tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max, index)
 
     def _split_verified(self, ready: list[Request], logits: torch.Tensor | None):
         """The forward's ready requests without a draft and their logits rows, and the drafted ones verified."""
