@@ -1,4 +1,4 @@
-"""benchmarks/bench_speculative.py --dry-run: both workloads measured on the debug preset, and speculation's
+"""benchmarks/bench_speculative.py --dry-run: the three workloads measured on the debug preset, and speculation's
 greedy tokens the same as plain decoding's."""
 
 import sys
@@ -8,10 +8,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_speculative import main  # noqa: E402
 
 
-def test_dry_run_prints_both_workloads(capsys):
+def test_dry_run_prints_every_workload(capsys):
     assert main(["--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert set(rows) == {"copies", "free"}
+    assert set(rows) == {"copies", "rejected", "free"}
     assert all(row[-1] == "True" for row in rows.values())  # the same tokens with and without speculation
     assert float(rows["copies"][4].rstrip("%")) > 0  # the copying workload's drafts are accepted

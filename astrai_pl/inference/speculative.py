@@ -35,8 +35,16 @@ from .pool import EngineConfigError
 from .recurrent.runner import is_recurrent
 from .request import Request
 from .sampling import (
-    Alternatives, SamplingParams, _finite, _int64, _score_columns, _unpack, mask_top_k_top_p_min_p, penalise,
-    seeded_uniform, to_device,
+    Alternatives,
+    SamplingParams,
+    _finite,
+    _int64,
+    _score_columns,
+    _unpack,
+    mask_top_k_top_p_min_p,
+    penalise,
+    seeded_uniform,
+    to_device,
 )
 
 _ACCEPT_STREAM = 1 << 48  # seeded acceptance draws use counters from here; token draws use the output index

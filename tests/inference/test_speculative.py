@@ -2,8 +2,8 @@
 memory rolled back, and the sampled output distribution equal to the plain sampler's."""
 
 import sys
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
