@@ -187,8 +187,8 @@ class Scheduler:
 
     def publish(self, req: Request) -> None:
         """Put req's computed full pages in the radix cache, unless K/V read from a file went into them."""
-        if req.num_computed and not req.kv_from_file:
-            pages = self.pool.cache_prefix(req.tokens, req.pages, req.num_computed)
+        if req.num_computed and not req.kv_from_file:  # K/V computed for a draft past `tokens` is never cached
+            pages = self.pool.cache_prefix(req.tokens, req.pages, min(req.num_computed, len(req.tokens)))
             if pages != req.pages:
                 req.pages, req.table_len = pages, 0
 

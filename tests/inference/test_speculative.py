@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from astrai_pl.inference import Engine, EngineConfigError, SamplingParams, SpeculativeConfig
+from astrai_pl.inference import Engine, EngineConfigError, RequestError, SamplingParams, SpeculativeConfig
 from astrai_pl.inference.request import Request
 from astrai_pl.inference.sampling import sample
 from astrai_pl.inference.speculative import propose_ngram, target_probs, verify_drafts
@@ -211,3 +211,34 @@ def test_greedy_verification_is_the_argmax_chain():
     req.draft = [1, 2]  # 1 is the argmax of row 0; 2 is not row 1's (0 is)
     [v] = verify_drafts(torch.stack(rows), [req])
     assert v.tokens == [1, 0]
+
+
+def test_a_failing_verification_is_retried_alone_or_fails_only_its_request(copier, monkeypatch):
+    from astrai_pl.inference import speculative
+
+    copying, cycle = copier
+    prompts = quoting_prompts(cycle, [16, 22], seed=9)
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=True)
+    plain = Engine(copying, debug=True, max_total_tokens=4096, page_size=4).generate(prompts, params)
+    real, calls = speculative.verify_drafts, []
+
+    def flaky(logits, reqs):
+        calls.append(len(reqs))
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(logits, reqs)
+
+    monkeypatch.setattr(speculative, "verify_drafts", flaky)
+    spec = Engine(copying, debug=True, max_total_tokens=4096, page_size=4, speculative=SPEC)
+    _same(plain, spec.generate(prompts, params))  # the failed step was run again, one request at a time
+    assert len(calls) > 1
+
+    def broken(logits, reqs):
+        raise RuntimeError("always")
+
+    monkeypatch.setattr(speculative, "verify_drafts", broken)
+    with pytest.raises(RequestError, match="always"):  # each drafted request fails alone, the accounting holds
+        spec.generate(prompts, params)
+    assert spec.check() and not spec.scheduler.running
+    monkeypatch.setattr(speculative, "verify_drafts", real)
+    _same(plain, spec.generate(prompts, params))  # the pool and the radix cache are sound after the failures
