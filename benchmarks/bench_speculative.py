@@ -10,7 +10,7 @@ Two models of one preset, on three workloads:
 - "free": random weights on random prompts: nothing to look up, so drafts are rare.
 Rounds alternate plain and speculative engines (ABBA); reported per workload: tokens/s of each, the median
 per-round ratio speculative / plain (above 1: speculation is faster), the draft acceptance rate, and whether
-the two produced the same tokens (greedy: they must).
+the two produced the same tokens (greedy: they must). "drafted" is draft tokens verified per generated token.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_speculative.py [--preset small] [--batch 1] [--k 4]
     .venv/bin/python benchmarks/bench_speculative.py --dry-run     # tiny sizes, one round: the test's run
@@ -103,7 +103,8 @@ def measure(model, prompts, params, spec: SpeculativeConfig, rounds: int) -> dic
     return dict(
         plain=count / statistics.median(times[False]), spec=count / statistics.median(times[True]),
         ratio=statistics.median(p / s for p, s in zip(times[False], times[True])),
-        acceptance=accepted / drafted if drafted else 0.0, drafted=drafted, same=tokens[False] == tokens[True],
+        acceptance=accepted / drafted if drafted else 0.0, same=tokens[False] == tokens[True],
+        drafted=drafted / (rounds * count),  # draft tokens per generated token
     )
 
 
@@ -129,13 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = workloads(cycle, config.vocab_size, args.batch, args.quote)
     print(f"preset={args.preset} batch={args.batch} k={args.k} lookup_max={args.lookup_max} "
           f"max_tokens={args.max_tokens} rounds={args.rounds} threads={torch.get_num_threads()}")
-    print(f"{'workload':<9} {'plain tok/s':>12} {'spec tok/s':>11} {'spec/plain':>10} {'accepted':>9} same")
+    print(f"{'workload':<9} {'plain tok/s':>12} {'spec tok/s':>11} {'spec/plain':>10} {'drafted':>8} {'accepted':>9} same")
     plain_model = random_model(config)
     for name, model, workload in (("copies", copier, "copies"), ("rejected", plain_model, "copies"),
                                   ("free", plain_model, "free")):
         row = measure(model, prompts[workload], params, spec, args.rounds)
         print(f"{name:<9} {row['plain']:>12.1f} {row['spec']:>11.1f} {row['ratio']:>10.2f} "
-              f"{row['acceptance']:>9.0%} {row['same']}")
+              f"{row['drafted']:>8.2f} {row['acceptance']:>9.0%} {row['same']}")
     return 0
 
 
