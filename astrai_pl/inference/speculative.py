@@ -181,7 +181,7 @@ def verify_drafts(
         seq = req.tokens + req.draft
         for i in range(len(req.draft) + 1):
             params.append(req.params)
-            contexts.append(seq[: len(req.tokens) + i])
+            contexts.append(seq[: len(req.tokens) + i] if req.params.penalised else [])  # read only if penalised
             outputs.append(len(req.tokens) + i - req.num_prompt)
             draft_ids.append(req.draft[i] if i < len(req.draft) else -1)
             seeds.append(req.seed)
@@ -199,12 +199,12 @@ def verify_drafts(
     chosen = torch.where(accept, draft, drawn)
     top = [p.top_logprobs for p in params]
     columns = [accept.double()[:, None], chosen.double()[:, None]]
-    k = 0
-    if any(p.logprobs for p in params):
+    scoring = any(p.logprobs for p in params)
+    if scoring:
         scores, k = _score_columns(logits, chosen, top)
         columns.append(scores)
     host = torch.cat(columns, dim=1).tolist()  # the step's one read back
-    chosen_lp, alternatives = _unpack([row[2:] for row in host], k, top) if k or len(host[0]) > 2 else (None, None)
+    chosen_lp, alternatives = _unpack([row[2:] for row in host], k, top) if scoring else (None, None)
     return _walk(reqs, host, chosen_lp, alternatives)
 
 
@@ -268,7 +268,7 @@ class SpeculativeSteps:
             if (req.remaining != 1 or len(req.tokens) <= req.num_prompt or not req.prompt_cached
                     or req.ready_logits is not None or req.session is not None):
                 continue
-            room = min(cfg.num_speculative_tokens, req.params.max_tokens - len(req.output_ids) - 1,
+            room = min(cfg.num_speculative_tokens, req.params.max_tokens - (len(req.tokens) - req.num_prompt) - 1,
                        self.max_context - len(req.tokens) - 1)
             if room > 0:
                 index = self._ngram_indexes.setdefault(req, NgramIndex())
