@@ -5,8 +5,11 @@ Two models of one preset, on three workloads:
   output projection maps token t to the next token of a fixed random cycle, with attention's small share
   of the residual left to nudge the logits), given prompts that quote a stretch of that cycle and then
   start it again: its greedy continuation repeats the quoted text, as editing or quoting a source does;
-- "rejected": the same quoting prompts given to the preset with random weights, which does not follow them:
-  drafts are proposed and nearly all rejected, the case where speculation costs most;
+- "edited": the copying model on quotes with every third token replaced: the continuation follows the cycle,
+  and the two untouched tokens it ends with are always followed by a replaced one in the quote, so drafts are
+  proposed at most steps and every one is rejected, the case where speculation costs most;
+- "rejected": the quoting prompts given to the preset with random weights, which does not follow them: after the
+  first step its own output has nothing to look up;
 - "free": random weights on random prompts: nothing to look up, so drafts are rare.
 Rounds alternate plain and speculative engines (ABBA); reported per workload: tokens/s of each, the median
 per-round ratio speculative / plain (above 1: speculation is faster), the draft acceptance rate, and whether
@@ -67,15 +70,20 @@ def copying_model(config: ModelConfig, seed: int = 0, follow: float = 4.0, mix: 
 
 
 def workloads(cycle: list[int], vocab: int, n: int, quote: int, seed: int = 0) -> dict[str, list[list[int]]]:
-    """"copies": a quoted stretch of the cycle, then its first tokens again; "free": random prompts."""
+    """"copies": a quoted stretch of the cycle, then its first tokens again; "edited": the same with every third
+    quoted token replaced by a random one (every draft looked up in it starts with a replaced token); "free":
+    random prompts."""
     g = torch.Generator().manual_seed(seed)
-    copies, free = [], []
+    copies, edited, free = [], [], []
     for _ in range(n):
         start = int(torch.randint(0, len(cycle) - quote, (1,), generator=g))
         stretch = cycle[start : start + quote]
         copies.append(stretch + stretch[:3])
+        noise = torch.randint(8, vocab, (quote,), generator=g).tolist()
+        changed = [noise[i] if i % 3 == 2 else t for i, t in enumerate(stretch)]
+        edited.append(changed + stretch[:2])
         free.append(torch.randint(8, vocab, (quote + 3,), generator=g).tolist())
-    return {"copies": copies, "free": free}
+    return {"copies": copies, "edited": edited, "free": free}
 
 
 def timed(engine: Engine, prompts, params) -> tuple[float, list[list[int]], int]:
@@ -132,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
           f"max_tokens={args.max_tokens} rounds={args.rounds} threads={torch.get_num_threads()}")
     print(f"{'workload':<9} {'plain tok/s':>12} {'spec tok/s':>11} {'spec/plain':>10} {'drafted':>8} {'accepted':>9} same")
     plain_model = random_model(config)
-    for name, model, workload in (("copies", copier, "copies"), ("rejected", plain_model, "copies"),
-                                  ("free", plain_model, "free")):
+    for name, model, workload in (("copies", copier, "copies"), ("edited", copier, "edited"),
+                                  ("rejected", plain_model, "copies"), ("free", plain_model, "free")):
         row = measure(model, prompts[workload], params, spec, args.rounds)
         print(f"{name:<9} {row['plain']:>12.1f} {row['spec']:>11.1f} {row['ratio']:>10.2f} "
               f"{row['drafted']:>8.2f} {row['acceptance']:>9.0%} {row['same']}")

@@ -12,6 +12,6 @@ def test_dry_run_prints_every_workload(capsys):
     assert main(["--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert set(rows) == {"copies", "rejected", "free"}
+    assert set(rows) == {"copies", "edited", "rejected", "free"}
     assert all(row[-1] == "True" for row in rows.values())  # the same tokens with and without speculation
     assert float(rows["copies"][5].rstrip("%")) > 0 and float(rows["copies"][4]) > 0  # the copying workload's drafts are accepted
