@@ -122,7 +122,8 @@ def load_engine(ns: argparse.Namespace) -> tuple[Engine, Tokenizer, list[int]]:
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine(model, tokenizer, device=device, dtype=getattr(torch, ns.dtype) if ns.dtype else None,
                     max_total_tokens=ns.max_total_tokens,
-                    cuda_graphs=False if getattr(ns, "enforce_eager", False) else None)  # serve --enforce-eager
+                    cuda_graphs=False if getattr(ns, "enforce_eager", False) else None,  # serve --enforce-eager
+                    speculative=getattr(ns, "speculative_config", None))  # serve --speculative-config
     return engine, tokenizer, generation_eos_ids(path) if hf_dir else []
 
 

@@ -20,6 +20,7 @@ from .recurrent import StateSession, StateStore, generate_batch
 from .request import Completion, Delta, RequestError
 from .sampling import SamplingParams, SamplingParamsError
 from .sessions import Session, SessionError, SessionMemory
+from .speculative import SpeculativeConfig
 
 __all__ = [
     "BackendUnavailable",
@@ -38,6 +39,7 @@ __all__ = [
     "Session",
     "SessionError",
     "SessionMemory",
+    "SpeculativeConfig",
     "StateSession",
     "StateStore",
     "generate_batch",

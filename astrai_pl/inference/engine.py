@@ -38,13 +38,14 @@ from .runner import ModelRunner
 from .sampling import Alternatives, SamplingParams, SamplingParamsError, sample
 from .scheduler import EngineStats, Scheduler
 from .sessions import FingerprintCache, Session, load_session
+from .speculative import SpeculativeConfig, SpeculativeSteps, Verified, check_speculative_model
 
 __all__ = ["Engine", "EngineConfigError", "EngineStats", "Prompt"]
 
 Pick = tuple[Request, int, float | None, Alternatives | None]  # a sampled token, its logprob and alternatives
 
 
-class Engine(StepRecovery):
+class Engine(StepRecovery, SpeculativeSteps):
     def __init__(
         self,
         model,
@@ -60,6 +61,7 @@ class Engine(StepRecovery):
         max_step_tokens: int | None = None,
         debug: bool | None = None,
         cuda_graphs: bool | None = None,
+        speculative: SpeculativeConfig | dict | None = None,
     ):
         """Serve `model` (a Transformer). `tokenizer` (optional) turns strings into ids and ids into text.
 
@@ -71,6 +73,7 @@ class Engine(StepRecovery):
         the chunked-prefill size. debug: recheck the pool's accounting after every step (default: the
         ASTRAI_INFERENCE_DEBUG environment variable). cuda_graphs: replay decode steps from CUDA graphs, one
         per batch-size bucket (default: on CUDA; decode_graphs.py); their memory comes out of the pool's share.
+        speculative: n-gram speculative decoding (speculative.py; off by default); its steps run eagerly.
         """
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
@@ -78,6 +81,7 @@ class Engine(StepRecovery):
         if self.device != param.device or self.dtype != param.dtype:
             model.to(device=self.device, dtype=self.dtype)
         self.model, self.tokenizer = model, tokenizer
+        self.speculative = check_speculative_model(model, speculative)
         if debug is None:
             debug = os.environ.get("ASTRAI_INFERENCE_DEBUG", "0").lower() not in ("", "0", "false", "no")
         self.debug = debug
@@ -118,7 +122,8 @@ class Engine(StepRecovery):
         self._outbox = Outbox()
         self._ended: list[Request] = []  # groups whose last sample finished in this step
         self._ids = count()
-        self._counts = dict(steps=0, prefill_tokens=0, decode_tokens=0, cached_tokens=0, forks=0)
+        self._counts = dict(steps=0, prefill_tokens=0, decode_tokens=0, cached_tokens=0, forks=0,
+                            draft_tokens=0, accepted_draft_tokens=0)
 
     # -- public API -----------------------------------------------------------------------------------------
     @property
@@ -350,8 +355,11 @@ class Engine(StepRecovery):
     def _advance(self) -> bool:
         """One step, its deltas posted to their consumers; False when nothing could be scheduled."""
         self.expire_sessions()
+        if self.speculative is not None:
+            self._propose_drafts()
         plan = self.scheduler.schedule()
         if not plan:
+            self._drop_drafts()
             return False
         self._counts["steps"] += 1
         self._count_tokens(plan)
@@ -359,6 +367,7 @@ class Engine(StepRecovery):
             with torch.inference_mode():
                 self._outbox.post(self._run(plan))
         finally:
+            self._drop_drafts()  # drafts a failed step left unverified
             self._close_ended()
         if self.debug:
             self.check()
@@ -384,11 +393,12 @@ class Engine(StepRecovery):
         after the forward loses nothing that was computed.
         """
         ready, logits = self.runner.forward([(r, n) for r, n in plan if n > 0])
+        ready, logits, verified = self._split_verified(ready, logits)  # drafted requests: speculative.py
         for i, req in enumerate(ready):
             req.ready_logits = logits[i]
         batch = self._ready_batch(ready + [req for req, n in plan if n == 0])
         if not batch:
-            return []
+            return verified
         reqs = [req for req, _ in batch]
         # the forward's logits as they are when the batch is its ready requests in order (the usual step): a
         # stacked copy of their rows cost 1.3 ms a step at a 49k vocabulary
@@ -402,7 +412,7 @@ class Engine(StepRecovery):
         )
         for req in reqs:
             req.ready_logits = None
-        return [
+        return verified + [
             (r, t, None if logprobs is None else logprobs[i], None if top is None else top[i])
             for i, (r, t) in enumerate(zip(reqs, tokens))
         ]
@@ -428,13 +438,16 @@ class Engine(StepRecovery):
                 batch.append((clone, row))
         return batch
 
-    def _commit(self, picks: list[Pick]) -> list[Delta]:
+    def _commit(self, picks: list[Pick | Verified]) -> list[Delta]:
         deltas = []
-        for req, token, logprob, top in picks:
+        for pick in picks:
             try:
-                deltas.append(self._append(req, token, logprob, top))
+                if isinstance(pick, Verified):
+                    deltas += self._commit_verified(pick)
+                else:
+                    deltas.append(self._append(*pick))
             except Exception as err:
-                deltas.append(self._fail(req, err))
+                deltas.append(self._fail(pick[0], err))
         return deltas
 
     def _fork(self, parent: Request) -> list[Request]:

@@ -113,6 +113,7 @@ class Request:
         self.kv_from_file = False  # its K/V derive from a loaded session file: never cached
         self.forks_left = params.n - 1 if index == 0 else 0
         self.ready_logits: torch.Tensor | None = None  # (V,) next-token logits known without a forward
+        self.draft: list[int] = []  # proposed next tokens, computed after `tokens` and verified in this step
         self.logprobs: list[float] = []
         self.top_logprobs: list[Alternatives] = []
         self.prompt_logprobs: list[PromptLogprob | None] | None = None

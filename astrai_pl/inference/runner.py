@@ -36,7 +36,8 @@ class ModelRunner:
     def forward(self, plan: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
         """Compute `n` tokens of each planned request; the requests now ready to sample and their logits.
 
-        Advances each request's `num_computed` (and its req_to_token row). Logits are float32 (N, V).
+        Advances each request's `num_computed` (and its req_to_token row). Logits are float32 (N, V): one row per
+        ready request, or 1 + len(draft) rows for a request with a draft (its draft computed after its tokens).
         """
         if not plan:
             return [], None
@@ -82,9 +83,9 @@ class ModelRunner:
                 req.num_computed += n
                 req.table_len = req.num_computed
                 end += n
-                if req.num_computed == len(req.tokens):
+                if req.num_computed == len(req.tokens) + len(req.draft):  # a draft's rows too (speculative.py)
                     ready.append(req)
-                    sample_at.append(end - 1)
+                    sample_at.extend(range(end - 1 - len(req.draft), end))
             self._score_prompts(hidden[0], scored_rows)
             if not ready:
                 return [], None
@@ -146,7 +147,7 @@ class ModelRunner:
             table_pos += range(req.table_len, stop)
             table_slots += slots
             out_slots += slots[len(slots) - n :]
-            ids += req.tokens[start:stop]
+            ids += (req.tokens + req.draft if req.draft else req.tokens)[start:stop]
             positions += range(start, stop)
         self.pool.req_to_token.write(rows, table_pos, table_slots)
         return ids, positions, out_slots

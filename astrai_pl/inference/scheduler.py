@@ -47,6 +47,8 @@ class EngineStats:
     evicted_pages: int
     preemptions: int
     forks: int
+    draft_tokens: int = 0  # proposed by speculative decoding and verified
+    accepted_draft_tokens: int = 0  # of those, accepted
 
 
 class Scheduler:
@@ -87,7 +89,10 @@ class Scheduler:
                     self.preempt(req)
                     preemptions += 1  # not for memory: admission goes on, this request first
                     continue
-                n = self._grow(req, req.remaining, plan)
+                want = req.remaining + len(req.draft)  # a draft is verified in the same forward (speculative.py)
+                if req.draft and self._fit(req, want) < want:
+                    req.draft, want = [], req.remaining  # no room for it: a plain decode
+                n = self._grow(req, want, plan)
                 if req in self.running:
                     plan.append((req, n))
                     budget -= n
@@ -162,7 +167,7 @@ class Scheduler:
         """Free a request's memory; the engine computes all its tokens again."""
         self.release(req)
         req.num_computed = req.table_len = 0
-        req.ready_logits = None
+        req.ready_logits, req.draft = None, []
         req.prompt_cached = req.kv_from_file = False  # recomputed by the engine from here on
 
     def add_fork(self, parent: Request, clone: Request) -> bool:
@@ -182,8 +187,9 @@ class Scheduler:
 
     def publish(self, req: Request) -> None:
         """Put req's computed full pages in the radix cache, unless K/V read from a file went into them."""
-        if req.num_computed and not req.kv_from_file:
-            pages = self.pool.cache_prefix(req.tokens, req.pages, req.num_computed, req.params.cache_salt)
+        if req.num_computed and not req.kv_from_file:  # K/V computed for a draft past `tokens` is never cached
+            pages = self.pool.cache_prefix(req.tokens, req.pages, min(req.num_computed, len(req.tokens)),
+                                           req.params.cache_salt)
             if pages != req.pages:
                 req.pages, req.table_len = pages, 0
 

@@ -2,6 +2,7 @@
 
     astrai-pl serve --model hf_dir/ --port 8000
     astrai-pl serve --model base_hf_dir/ --adapter lora_adapter/ --api-key "$KEY" --max-queue 64
+    astrai-pl serve --model hf_dir/ --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for --graceful-timeout
 seconds, aborts the rest, stops the engine and exits 0.
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ..commands import USER_ERRORS, _add_model_arguments, load_engine
+from ..inference import EngineConfigError, SpeculativeConfig
 from .app import create_app
 from .connections import ConnectionLimits, server_config
 from .sessions_api import DEFAULT_MAX_SESSIONS, DEFAULT_MAX_TTL_S, DEFAULT_TTL_S, SessionStore
@@ -67,6 +69,10 @@ def serve_parser() -> argparse.ArgumentParser:
                        help="the model id clients pass as 'model' (default: the --model path's name)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every decode step eagerly, without CUDA graphs (on by default on a GPU)")
+    group.add_argument("--speculative-config", type=_speculative, default=None, metavar="JSON",
+                       help='n-gram speculative decoding, as vLLM\'s flag: \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (off by default: it costs '
+                            'when outputs do not quote their prompts; docs/benchmarks.md)')
     group.add_argument("--graceful-timeout", type=_at_least(0, float), default=30.0,
                        help="seconds requests in flight may take to finish on shutdown before they are aborted")
     sessions = parser.add_argument_group("sessions (/v1/sessions)")
@@ -79,6 +85,13 @@ def serve_parser() -> argparse.ArgumentParser:
     sessions.add_argument("--max-session-tokens", type=_at_least(1), default=None,
                           help="KV tokens all sessions may pin together (default: half the pool)")
     return parser
+
+
+def _speculative(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except EngineConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _positive(text: str) -> float:
