@@ -37,6 +37,8 @@ def check_fields(params, fail) -> None:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
         fail("min_tokens", "must be a whole number >= 0", "use 0 to let the completion end at any time")
     params.min_tokens = int(value)
+    if params.min_tokens > params.max_tokens:
+        fail("min_tokens", f"is more than max_tokens={params.max_tokens}", "lower min_tokens or raise max_tokens")
     words = params.bad_words
     if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
         fail("bad_words", "must be a list of non-empty strings", 'pass e.g. ["forbidden"]')

@@ -37,6 +37,14 @@ class SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -52,7 +60,6 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
