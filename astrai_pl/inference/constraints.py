@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grammar import GrammarError, GrammarState, StructuredOutput, bitmask_words, compile_structured, unpack_bitmask
+from .grammar import (
+    GrammarError,
+    GrammarState,
+    StructuredOutput,
+    bitmask_words,
+    compile_structured,
+    unpack_bitmask,
+)
 
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 LOGIT_BIAS_RANGE = 100.0

@@ -31,7 +31,7 @@ from itertools import count
 import torch
 
 from ...model.rwkv import RwkvState
-from ..admission import checked_constraint, check_params, params_per_prompt, prompt_token_ids, text_stream
+from ..admission import check_params, checked_constraint, params_per_prompt, prompt_token_ids, text_stream
 from ..cache import CapacityError
 from ..request import Completion, Request, end_ids
 from ..sampling import SamplingParams, sample
