@@ -80,3 +80,16 @@ def test_a_structured_output_needs_exactly_one_kind():
 
     with pytest.raises(GrammarError, match="exactly one"):
         StructuredOutput(regex="a", choice=("b",))
+
+
+def test_a_state_session_turn_follows_its_regex_and_bias():
+    from astrai_pl.inference import StateSession
+
+    torch.manual_seed(0)
+    rwkv = Transformer(ModelConfig.from_name("rwkv-debug")).eval()
+    tok = Tokenizer.byte_level()
+    chat = StateSession(rwkv, tok)
+    out = chat.generate("x", SamplingParams(max_tokens=20, seed=3, structured=StructuredOutput(regex="[0-9]{2,4}")))
+    assert out.text.isdigit() and 2 <= len(out.text) <= 4
+    forced = chat.generate("y", SamplingParams(max_tokens=5, logit_bias={BYTE_OFFSET + ord("z"): 100}))
+    assert forced.text == "zzzzz"
