@@ -29,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CACHE_SIZE = 256  # compiled grammars kept (per process), least recently used dropped first
+CACHE_SIZE = 64  # compiled grammars kept (per process), least recently used dropped first
 MAX_SPEC_CHARS = 2**17  # a schema, regex or grammar text longer than this is refused before compiling
 _XGRAMMAR_MARK = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar prefixes its errors with time and source line
 
