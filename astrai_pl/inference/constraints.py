@@ -9,8 +9,8 @@ On row r, with b the request's bias and m its set of forbidden tokens:
     l'[r, t] = -inf  for t ∉ grammar(r)             (the tokens that keep the text inside the language)
     l'[r, t] = -inf  for t ∈ bad(r)                 (the last token of a bad word whose other tokens just came)
     l'[r, t] = -inf  for t ∈ end ids while fewer than min_tokens tokens were generated
-The grammar outranks the other two masks: a row they would leave without a single token keeps the grammar's
-mask alone (it ends when its grammar says it is complete). Rows without a constraint are not touched, and
+The grammar outranks the other two masks, and bad words outrank min_tokens: a mask that would leave a row
+without a finite logit is not applied to it (a grammar that can only end, ends). Rows without a constraint are not touched, and
 everything that reaches the device is one copy per kind of mask.
 """
 
@@ -29,6 +29,7 @@ from .grammar import (
     bitmask_words,
     compile_structured,
     unpack_bitmask,
+    xgrammar_apply,
 )
 
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
@@ -136,14 +137,14 @@ def bad_word_ids(words: list[str], tokenizer) -> list[tuple[int, ...]]:
 
 # -- the batched application --------------------------------------------------------------------------------------
 def constrain(
-    logits: torch.Tensor,  # (N, V) float32, finite or -inf
+    logits: torch.Tensor,  # (N, V) float32, finite or -inf; modified in place
     constraints: list[RowConstraint | None],
     contexts: list[list[int]],
     num_outputs: list[int],
 ) -> torch.Tensor:
-    """The logits with every row's constraint applied (a new tensor; rows without one keep their values)."""
+    """Every row's constraint applied to `logits` in place (rows without one keep their values); returns it."""
     N, V = logits.shape
-    bias_rows, bias_ids, bias_values = [], [], []
+    bias = ([], [], [])
     hard, soft, grammar_rows = ([], []), ([], []), []
     bitmask = None
     for r, c in enumerate(constraints):
@@ -151,7 +152,7 @@ def constrain(
             continue
         output = contexts[r][len(contexts[r]) - num_outputs[r]:]
         for token, value in c.bias.items():
-            bias_rows.append(r), bias_ids.append(token), bias_values.append(value)
+            bias[0].append(r), bias[1].append(token), bias[2].append(value)
         for ids, into in zip(c.banned(output, num_outputs[r]), (hard, soft)):
             into[0].extend([r] * len(ids)), into[1].extend(ids)
         if c.grammar is not None:
@@ -160,28 +161,39 @@ def constrain(
                 bitmask = torch.full((N, bitmask_words(V)), -1, dtype=torch.int32)
             if c.grammar.fill(bitmask, r):
                 grammar_rows.append(r)
-    logits = logits.clone()
-    if bias_rows:
-        index = torch.tensor([bias_rows, bias_ids], dtype=torch.int64).to(logits.device)
-        logits.index_put_((index[0], index[1]), torch.tensor(bias_values).to(logits.device), accumulate=True)
-    if not (hard[0] or soft[0] or grammar_rows):
-        return logits
-    device = logits.device
-    allowed = torch.ones(N, V, dtype=torch.bool, device=device)
-    if grammar_rows:  # the packed words go to the device (V / 8 bytes a row) and are unpacked there
-        rows = torch.tensor(grammar_rows).to(device)
-        allowed[rows] = unpack_bitmask(bitmask[grammar_rows].to(device), V)
-    allowed = _narrowed(_narrowed(allowed, hard), soft)
-    return logits.masked_fill(~allowed, float("-inf"))
+    if bias[0]:
+        index = torch.tensor(bias[:2], dtype=torch.int64).to(logits.device)
+        logits.index_put_((index[0], index[1]), torch.tensor(bias[2]).to(logits.device), accumulate=True)
+    if grammar_rows:
+        apply_bitmask(logits, bitmask, grammar_rows)
+    _ban(logits, hard)
+    _ban(logits, soft)
+    return logits
 
 
-def _narrowed(allowed: torch.Tensor, banned: tuple[list[int], list[int]]) -> torch.Tensor:
-    """`allowed` less the (row, id) pairs of `banned`, except on rows that would be left with nothing."""
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """logits[r, t] = -inf where bit t of bitmask[r] is clear, for r in `rows`. On the CPU xgrammar's kernel does it
+    in one pass; elsewhere the packed words go to the device (V / 8 bytes a row) and are unpacked there."""
+    V = logits.shape[-1]
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        xgrammar_apply(logits, bitmask, indices=rows, vocab_size=V)
+        return
+    index = torch.tensor(rows).to(logits.device)
+    allowed = unpack_bitmask(bitmask[rows].to(logits.device), V)  # (G, V)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def _ban(logits: torch.Tensor, banned: tuple[list[int], list[int]]) -> None:
+    """The (row, id) pairs of `banned` set to -inf, except on rows that would be left without a finite logit."""
     if not banned[0]:
-        return allowed
-    index = torch.tensor(banned, dtype=torch.int64).to(allowed.device)  # (2, K)
-    less = allowed.index_put((index[0], index[1]), torch.zeros((), dtype=torch.bool, device=allowed.device))
-    return torch.where(less.any(dim=-1, keepdim=True), less, allowed)
+        return
+    rows = sorted(set(banned[0]))
+    index = torch.tensor(banned, dtype=torch.int64).to(logits.device)  # (2, K)
+    at = torch.tensor(rows).to(logits.device)
+    before = logits[at]  # (R, V), a copy
+    logits.index_put_((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
+    emptied = ~logits[at].isfinite().any(dim=-1, keepdim=True)
+    logits[at] = torch.where(emptied, before, logits[at])
 
 
 __all__ = ["GrammarError", "RowConstraint", "StructuredOutput", "check_fields", "constrain", "row_constraint"]

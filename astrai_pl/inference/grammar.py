@@ -233,6 +233,11 @@ class GrammarState:
         return True
 
 
+def xgrammar_apply(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int], vocab_size: int) -> None:
+    """xgrammar's CPU kernel: logits[i, t] = -inf where bit t of bitmask[i] is clear, for i in `indices`."""
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=indices, vocab_size=vocab_size, backend="cpu")
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(G, ceil(V/32)) int32 → (G, V) bool: token t allowed iff bit t % 32 of word t // 32 is set."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)

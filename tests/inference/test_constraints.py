@@ -21,7 +21,7 @@ def engine():
 def test_rows_without_a_constraint_keep_their_logits_exactly():
     logits = torch.randn(3, 50)
     rows = [None, RowConstraint(bias={4: 2.5}, bad_words=[(7,)]), None]
-    out = constrain(logits, rows, [[1, 2], [1, 2], [1]], [1, 1, 0])
+    out = constrain(logits.clone(), rows, [[1, 2], [1, 2], [1]], [1, 1, 0])
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     assert out[1, 4] == logits[1, 4] + 2.5 and out[1, 7] == float("-inf")
     assert torch.equal(out[1, :4], logits[1, :4])
@@ -31,9 +31,26 @@ def test_min_tokens_yields_when_nothing_else_is_left():
     logits = torch.zeros(2, 6)
     only_end = [(t,) for t in range(6) if t != 2]  # the harder mask leaves nothing but the end id
     rows = [RowConstraint(min_tokens=3, end_ids=(2,), bad_words=only_end), RowConstraint(min_tokens=3, end_ids=(2,))]
-    out = constrain(logits, rows, [[1], [1]], [0, 0])
+    out = constrain(logits.clone(), rows, [[1], [1]], [0, 0])
     assert out[0, 2] == 0.0 and out[0].isfinite().sum() == 1  # min_tokens yields rather than empty the row
     assert out[1, 2] == float("-inf") and out[1].isfinite().sum() == 5
+
+
+def test_xgrammars_cpu_kernel_equals_the_unpacked_mask():
+    from astrai_pl.inference.constraints import apply_bitmask
+    from astrai_pl.inference.grammar import unpack_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    V = 100  # not a multiple of 32: the last word is partly padding
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, 4), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(4, V, generator=gen)
+    rows = [0, 2, 3]
+    reference = logits.clone()
+    reference[rows] = reference[rows].masked_fill(~unpack_bitmask(bitmask[rows], V), float("-inf"))
+    fused = logits.clone()
+    apply_bitmask(fused, bitmask, rows)
+    assert torch.equal(fused, reference) and torch.equal(fused[1], logits[1])
+    assert 0 < reference.isinf().sum() < 3 * V
 
 
 def test_engine_generate_follows_a_schema_for_every_sample(engine):
