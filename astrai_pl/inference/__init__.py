@@ -14,6 +14,7 @@ from their modules. See docs/inference.md for the design.
 from .admission import PromptError
 from .attention import BackendUnavailable
 from .cache import CapacityError, InferenceError
+from .constraints import GrammarError, StructuredOutput
 from .engine import Engine, EngineConfigError, EngineStats
 from .handle import RequestHandle
 from .recurrent import StateSession, StateStore, generate_batch
@@ -24,6 +25,8 @@ from .speculative import SpeculativeConfig
 
 __all__ = [
     "BackendUnavailable",
+    "GrammarError",
+    "StructuredOutput",
     "CapacityError",
     "Completion",
     "Delta",

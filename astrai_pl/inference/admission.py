@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .cache import CapacityError, InferenceError
+from .constraints import GrammarError, RowConstraint, row_constraint
 from .pool import KVPool
 from .request import Request
 from .sampling import SamplingParams, SamplingParamsError
@@ -155,5 +156,18 @@ def new_request(
     check_params(params, vocab_size, engine.tokenizer is not None)
     tokens = history + prompt_token_ids(prompt, engine.tokenizer, vocab_size)
     check_room(len(tokens), params, engine.max_context, engine.scheduler.max_batch_size, engine.pool)
+    constraint = checked_constraint(params, engine.tokenizer, vocab_size, engine.eos_token_ids)
     stream = text_stream(engine.tokenizer, params)
-    return Request(request_id, tokens, params, stream, session=session, device=engine.device)
+    req = Request(request_id, tokens, params, stream, session=session, device=engine.device)
+    req.constraint = constraint
+    return req
+
+
+def checked_constraint(params: SamplingParams, tokenizer, vocab_size: int, end_ids) -> RowConstraint | None:
+    """`row_constraint`, its refusals as SamplingParamsError (a grammar that does not compile among them)."""
+    try:
+        return row_constraint(params, tokenizer, vocab_size, list(end_ids))
+    except GrammarError as err:
+        raise SamplingParamsError(f"SamplingParams.structured: {err}") from None
+    except ValueError as err:
+        raise SamplingParamsError(str(err)) from None

@@ -409,6 +409,7 @@ class Engine(StepRecovery, SpeculativeSteps):
             [r.tokens for r in reqs],
             [len(r.tokens) - r.num_prompt for r in reqs],
             [r.seed for r in reqs],
+            [r.constraint for r in reqs],
         )
         for req in reqs:
             req.ready_logits = None

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from .cache import InferenceError
+from .constraints import RowConstraint
 from .sampling import Alternatives, SamplingParams
 from .text import TextStream
 
@@ -126,6 +127,7 @@ class Request:
         # nobody reads this request's text before it ends (generate, rollouts) and no stop string needs it: its
         # ids are decoded once at the end instead of at every step (TextStream.add)
         self.defer_text = False
+        self.constraint: RowConstraint | None = None  # bias, masks and grammar state the sampler applies
 
     @property
     def output_ids(self) -> list[int]:
@@ -166,6 +168,7 @@ class Request:
         clone.kv_from_file = self.kv_from_file  # it starts on a copy of this request's pages
         clone.prompt_logprobs = self.prompt_logprobs  # computed once, by this request's prefill
         clone.defer_text = self.defer_text
+        clone.constraint = None if self.constraint is None else self.constraint.fork()
         self.group.append(clone)
         return clone
 

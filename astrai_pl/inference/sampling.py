@@ -1,7 +1,7 @@
 """SamplingParams and the batched sampler: penalties, temperature, top-k / top-p / min-p, seeded draws.
 
 Order of operations on a row of logits (as in Hugging Face's logits processors):
-    repetition penalty → frequency / presence penalties → temperature → top-k → top-p → min-p → draw.
+    the request's constraint (logit bias, masks, grammar; `constraints.constrain`) → repetition penalty → frequency / presence penalties → temperature → top-k → top-p → min-p → draw.
 A draw inverts the cumulative distribution: with C_i = p_0 + … + p_i (summed in float64) and one
 u ~ U[0, C_last), it picks the first token with C_i > u, which samples exactly from p with a single
 random number per row; tokens outside the kept set have p = 0, add nothing to C and can never be
@@ -17,6 +17,9 @@ import numbers
 from dataclasses import dataclass, field
 
 import torch
+
+from .constraints import RowConstraint, check_fields, constrain
+from .grammar import StructuredOutput
 
 
 class SamplingParamsError(ValueError):
@@ -69,6 +72,14 @@ class SamplingParams:
     cache_salt: str | None = None
     """Prefix-cache partition (vLLM's name): a request reuses cached prompt pages only of requests with the
     same salt, so a client cannot learn from cache hits what another salt's prompts hold."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the logits of the given token ids before anything else (OpenAI's: at most 300, each in [-100, 100])."""
+    min_tokens: int = 0
+    """End-of-sequence and stop token ids are masked until this many tokens were generated."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words never generated: a word's last token is masked whenever its other tokens were just generated."""
+    structured: StructuredOutput | None = None
+    """A JSON schema, regex, choice list or grammar the output must follow (see `inference.grammar`)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +109,7 @@ class SamplingParams:
             _fail(self, "cache_salt", "must be a string of at most 256 characters", "pass a short string or None")
         self.stop = _stop_strings(self)
         self.stop_token_ids = _stop_token_ids(self)
+        check_fields(self, lambda name, why, fix: _fail(self, name, why, fix))
 
     @property
     def greedy(self) -> bool:
@@ -325,11 +337,14 @@ def sample(
     contexts: list[list[int]],  # prompt + output ids of each request
     num_outputs: list[int],  # how many of those ids are output
     seeds: list[int | None],  # each row's seed (None: the shared generator)
+    constraints: list[RowConstraint | None] | None = None,  # each row's bias / masks / grammar (None: none)
 ) -> tuple[list[int], list[float] | None, list[Alternatives] | None]:
     """The next token of every row; if any row asks, the raw log-probabilities of the chosen tokens and
     each row's `top_logprobs` most likely tokens. Every row is computed together on the logits' device;
     what comes back to the host is one copy of the chosen ids (and log-probabilities), once per call."""
     raw, logits = logits, _finite(logits)  # a new tensor, which the penalties may replace
+    if constraints is not None and any(c is not None for c in constraints):
+        logits = constrain(logits, constraints, contexts, num_outputs)
     penalised = [i for i, p in enumerate(params) if p.penalised]
     if penalised:
         rows = to_device(torch.tensor(penalised), logits.device) if len(penalised) < len(params) else slice(None)

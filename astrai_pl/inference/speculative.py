@@ -260,13 +260,15 @@ class SpeculativeSteps:
 
     def _propose_drafts(self) -> None:
         """A draft for every running request that decodes its next token now (not a session's turn: its memory
-        goes back to the session exactly as computed)."""
+        goes back to the session exactly as computed; not a constrained request: a grammar, logit_bias, bad words
+        or min_tokens change the distribution each drafted position would be verified against)."""
         cfg = self.speculative
         if not hasattr(self, "_ngram_indexes"):  # each request's index, dropped with the request
             self._ngram_indexes: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
         for req in self.scheduler.running:
             if (req.remaining != 1 or len(req.tokens) <= req.num_prompt or not req.prompt_cached
-                    or req.ready_logits is not None or req.session is not None):
+                    or req.ready_logits is not None or req.session is not None
+                    or req.constraint is not None):
                 continue
             room = min(cfg.num_speculative_tokens, req.params.max_tokens - (len(req.tokens) - req.num_prompt) - 1,
                        self.max_context - len(req.tokens) - 1)

@@ -38,6 +38,14 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -54,7 +62,6 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None

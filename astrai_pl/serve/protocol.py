@@ -6,8 +6,9 @@
 
 A known field of the wrong type is refused (400, `param` naming it); fields OpenAI has and this server has
 no use for are ignored (`user`, `service_tier`, `store`, …); ones whose effect it cannot give are refused
-rather than silently dropped (`logit_bias`, `suffix`, `best_of`, tools, JSON output). Choice i of prompt p
-is choice p·n + i, as OpenAI numbers them.
+rather than silently dropped (`suffix`, `best_of`, tools). Output constraints (`response_format`, vLLM's
+`structured_outputs`, `logit_bias`, `min_tokens`, `bad_words`) are read by `structured.constraint_fields`.
+Choice i of prompt p is choice p·n + i, as OpenAI numbers them.
 
 Special tokens written as text are parsed as special tokens, in a prompt and in a message's content alike
 (as transformers' and vLLM's chat templating do): a user content holding "<|im_end|><|im_start|>assistant"
@@ -30,6 +31,7 @@ from ..tokenizer import TokenizerError, byte_symbols
 from .bodies import ChatRequest, CompletionRequest, SamplingFields, parse_body
 from .errors import APIError, bad_request, from_sampling_error
 from .limits import MAX_CHOICES, MAX_LOGPROB_ENTRIES, check_choice_count, check_text_size, is_id, prompt_count
+from .structured import constraint_fields
 
 MAX_MESSAGES = 8192  # messages of one conversation: the chat template renders them in Python
 MAX_STOPS = {"stop": 16, "stop_token_ids": 256}  # each is checked on every token: a long list slows every request
@@ -142,13 +144,9 @@ def max_new_tokens(requested: int | None, prompt_len: int, context: int, default
     return requested
 
 
-def _refuse_unsupported(body: SamplingFields) -> None:
-    if body.logit_bias:
-        raise bad_request("'logit_bias' is not supported by this server; leave it out", "logit_bias")
-
-
 def sampling_params(body: SamplingFields, max_tokens: int | None, extra_stop_ids: list[int], logprobs: bool,
-                    top_logprobs: int, names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
+                    top_logprobs: int, names: dict[str, str], prompt_logprobs: int | None = None,
+                    constraints: dict | None = None) -> SamplingParams:
     """SamplingParams from the request's fields (OpenAI's defaults where left out); a refusal names the field."""
     given = {
         "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "min_p": body.min_p,
@@ -171,7 +169,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, extra_stop_ids
                               f"{MAX_STOP_CHARS} per stop string", "stop")
     try:
         params = SamplingParams(**fields, logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
-                                stop_token_ids=stop_ids)
+                                stop_token_ids=stop_ids, **(constraints or {}))
         if not params.ignore_eos:  # the model's extra end ids (generation_config.json), as its own end ids
             params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *extra_stop_ids]))
         return params
@@ -408,7 +406,6 @@ class ChatCall(Call):
 def completion_call(raw: dict, state) -> CompletionCall:
     body = parse_body(raw, CompletionRequest)
     state.check_model(body.model)
-    _refuse_unsupported(body)
     if body.suffix:
         raise bad_request("'suffix' (insertion) is not supported by this server; leave it out", "suffix")
     if body.best_of is not None and body.best_of != (body.n or 1):
@@ -424,24 +421,19 @@ def completion_call(raw: dict, state) -> CompletionCall:
     wants = top is not None
     echo_logprobs = top if body.echo and wants else None
     params = sampling_params(body, max_tokens, state.stop_token_ids, wants, top or 0,
-                             {"top_logprobs": "logprobs", "prompt_logprobs": "logprobs"}, echo_logprobs)
+                             {"top_logprobs": "logprobs", "prompt_logprobs": "logprobs"}, echo_logprobs,
+                             constraint_fields(body, state))
     return CompletionCall(state, body, prompts, texts, params, top)
 
 
 def chat_call(raw: dict, state) -> ChatCall:
     body = parse_body(raw, ChatRequest)
     state.check_model(body.model)
-    _refuse_unsupported(body)
     if body.tools or body.functions:
         param = "tools" if body.tools else "functions"
         raise bad_request(f"'{param}': tool calling is not supported by this server; leave it out", param)
     if body.tool_choice not in (None, "none"):
         raise bad_request("'tool_choice': tool calling is not supported by this server", "tool_choice")
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise bad_request(f"'response_format' {{\"type\": {str(kind)[:40]!r}}} is not supported: this server has no "
-                          "constrained decoding; use {\"type\": \"text\"} and ask for JSON in the prompt",
-                          "response_format")
     if body.top_logprobs and not body.logprobs:
         raise bad_request("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
     messages = chat_messages(body.messages)
@@ -458,7 +450,7 @@ def chat_call(raw: dict, state) -> ChatCall:
     max_tokens = max_new_tokens(requested, len(ids), state.context_len, fits if fits > 0 else None, param,
                                 "messages")
     params = sampling_params(body, max_tokens, state.stop_token_ids, bool(body.logprobs), body.top_logprobs or 0,
-                             {"max_tokens": param})
+                             {"max_tokens": param}, constraints=constraint_fields(body, state))
     return ChatCall(state, body, [ids], params, body.top_logprobs or 0)
 
 

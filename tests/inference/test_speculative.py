@@ -242,3 +242,15 @@ def test_a_failing_verification_is_retried_alone_or_fails_only_its_request(copie
     assert spec.check() and not spec.scheduler.running
     monkeypatch.setattr(speculative, "verify_drafts", real)
     _same(plain, spec.generate(prompts, params))  # the pool and the radix cache are sound after the failures
+
+
+def test_a_constrained_request_decodes_without_drafts(copier):
+    copying, cycle = copier
+    prompts = quoting_prompts(cycle, [20, 26], seed=4)
+    plain = SamplingParams(max_tokens=20, temperature=0)
+    biased = SamplingParams(max_tokens=20, temperature=0, logit_bias={int(cycle[0]): 0.0})  # changes no logit
+    _, spec, a, b = _both(copying, prompts, biased, page_size=4)
+    _same(a, b)
+    assert spec.stats.draft_tokens == 0  # a constraint's masks and bias are not applied at drafted positions
+    _, spec, _, _ = _both(copying, prompts, plain, page_size=4)
+    assert spec.stats.draft_tokens > 0  # the same prompts unconstrained are drafted

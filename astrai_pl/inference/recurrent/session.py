@@ -31,7 +31,7 @@ from itertools import count
 import torch
 
 from ...model.rwkv import RwkvState
-from ..admission import check_params, params_per_prompt, prompt_token_ids, text_stream
+from ..admission import check_params, checked_constraint, params_per_prompt, prompt_token_ids, text_stream
 from ..cache import CapacityError
 from ..request import Completion, Request, end_ids
 from ..sampling import SamplingParams, sample
@@ -215,6 +215,8 @@ class _Turn:
             raise SessionError(f"{session.id} has no next-token logits (a fresh, blended, edited or loaded-empty "
                                "state); pass a prompt to continue it")
         self.request = Request(f"{session.id}-turn", ids, params, text_stream(tokenizer, params), device=_device(model))
+        self.request.constraint = checked_constraint(params, tokenizer, model.config.vocab_size,
+                                                     end_ids(model, tokenizer))
         self.layers, self.logits, self.pending = session.state.layers, session.last_logits, []
 
     def commit(self) -> None:
@@ -255,7 +257,8 @@ def _decode(model, turns: list[_Turn], stop_ids: set[int]) -> None:
     while running:
         reqs = [t.request for t in running]
         tokens, chosen, top = sample(logits, [r.params for r in reqs], [r.tokens for r in reqs],
-                                     [len(r.output_ids) for r in reqs], [r.seed for r in reqs])
+                                     [len(r.output_ids) for r in reqs], [r.seed for r in reqs],
+                                     [r.constraint for r in reqs])
         going = []
         for row, (turn, token) in enumerate(zip(running, tokens)):
             _, reason = turn.request.append(token, None if chosen is None else chosen[row], stop_ids, sys.maxsize,
