@@ -69,6 +69,9 @@ class SamplingParams:
     cache_salt: str | None = None
     """Prefix-cache partition (vLLM's name): a request reuses cached prompt pages only of requests with the
     same salt, so a client cannot learn from cache hits what another salt's prompts hold."""
+    lora_name: str | None = None
+    """The LoRA adapter loaded on the engine under this name that computes the request (adapters.py); None:
+    the base model."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +99,8 @@ class SamplingParams:
         self.seed = _seed(self)
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and len(self.cache_salt) <= 256):
             _fail(self, "cache_salt", "must be a string of at most 256 characters", "pass a short string or None")
+        if self.lora_name is not None and not (isinstance(self.lora_name, str) and self.lora_name):
+            _fail(self, "lora_name", "must be a non-empty string", "pass a loaded adapter's name or None")
         self.stop = _stop_strings(self)
         self.stop_token_ids = _stop_token_ids(self)
 
