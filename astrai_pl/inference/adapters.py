@@ -22,7 +22,7 @@ import contextlib
 import copy
 import logging
 
-from ..model.multi_lora import LoadedAdapter, LoraSet
+from ..model.multi_lora import LoadedAdapter, LoraSet, read_checked
 from .cache import InferenceError
 from .request import Request
 from .sampling import SamplingParamsError
@@ -46,8 +46,10 @@ def load_lora_adapter(engine, name: str, path) -> LoadedAdapter:
     if getattr(engine.model.config, "mixer", "attention") == "rwkv":
         raise InferenceError("several LoRA adapters per batch are served on attention models only; merge the "
                              "adapter into the RWKV model (astrai-pl convert --merge-lora) and serve that")
+    LoraSet.of(engine.model, create=True).check_name(name)
+    checked = read_checked(engine.model, path)  # outside the lock: steps go on while the files are read
     with engine.lock:
-        loaded = LoraSet.of(engine.model, create=True).add(name, path)
+        loaded = LoraSet.of(engine.model).add(name, path, checked)
         if getattr(engine.runner, "graphs", None) is not None:
             engine.runner.graphs = None
             log.info("decode steps run eagerly from now on: recorded CUDA graphs cannot choose adapters per row")
@@ -87,6 +89,19 @@ def bind_adapter(engine, req: Request, session=None) -> None:
     if salt != params.cache_salt:
         req.params = copy.copy(params)
         req.params.cache_salt = salt
+
+
+def bind_session(engine, session, name: str | None) -> None:
+    """Bind a new `session` to adapter `name` (None: the base) before its first turn."""
+    loaded = lora_adapters(engine).get(name) if name is not None else None
+    if name is not None and loaded is None:
+        raise SamplingParamsError(f"SamplingParams.lora_name={name[:80]!r}: no such adapter is loaded")
+    session.__dict__["lora_binding"] = (name, None if loaded is None else loaded.slot)
+
+
+def session_adapter(session) -> str | None:
+    """The adapter `session` is bound to (None: the base, or no turn yet)."""
+    return session.__dict__.get("lora_binding", (None, None))[0]
 
 
 def adapter_salt(name: str | None, slot: int | None, own: str | None) -> str | None:

@@ -98,9 +98,8 @@ class LoraSet:
             found = model.__dict__["lora_set"] = cls(model)
         return found
 
-    def add(self, name: str, path: str | Path) -> LoadedAdapter:
-        """Read, check and install the PEFT adapter in `path` under `name`; CheckpointError naming the file and
-        the problem, ConfigError for a bad or taken name."""
+    def check_name(self, name: str) -> None:
+        """ConfigError for a name that is malformed or taken, or a model that cannot take adapters."""
         if not isinstance(name, str) or NAME.fullmatch(name) is None:
             raise ConfigError(f"adapter name {str(name)[:80]!r}: use 1-128 letters, digits and . _ : / - "
                               "(starting with a letter or digit)")
@@ -109,7 +108,12 @@ class LoraSet:
         if lora_modules(self.model) or getattr(self.model, "lora_config", None) is not None:
             raise ConfigError("this model carries a trained adapter of its own; merge it (astrai-pl convert "
                               "--merge-lora) before serving several adapters on it")
-        lora, tensors = _read_checked(self.model, path)
+
+    def add(self, name: str, path: str | Path, checked: tuple | None = None) -> LoadedAdapter:
+        """Install the PEFT adapter in `path` under `name` (`checked`: what `read_checked(model, path)` gave, or
+        None to read it now); CheckpointError naming the file and the problem, ConfigError for a bad name."""
+        self.check_name(name)
+        lora, tensors = read_checked(self.model, path) if checked is None else checked
         loaded = LoadedAdapter(name, self._next_slot, str(path), lora, sorted({k.split(".lora_")[0] for k in tensors}))
         for module_name in loaded.modules:
             layer = self._multi(module_name)
@@ -159,7 +163,7 @@ class LoraSet:
             _GROUPS.reset(token)
 
 
-def _read_checked(model: nn.Module, path: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+def read_checked(model: nn.Module, path: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """The adapter in `path` checked as `Transformer.from_pretrained(base, adapter=path)` checks it, against a
     copy of `model` on the meta device: its config and its tensors under our module names."""
     from .transformer import Transformer
