@@ -138,3 +138,19 @@ def test_lora_modules_accept_vllms_two_forms():
     assert parse_lora_module('{"name": "sql", "path": "a/b", "base_model_name": "m"}') == ("sql", "a/b")
     with pytest.raises(ValueError, match="name=DIR"):
         parse_lora_module("adapters/sql")
+
+
+def test_a_session_keeps_the_adapter_it_was_opened_with(model_dir, adapter_dirs):
+    engine = serving_engine(model_dir, adapter_dirs)
+    state = ServerState(engine, engine.tokenizer, BASE)
+    turn = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with running(state) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        sid = http.post("/v1/sessions", json={"model": "mlp", "messages": [{"role": "system", "content": "x"}]})
+        assert sid.status_code == 200, sid.text
+        path = f"/v1/sessions/{sid.json()['id']}/chat/completions"
+        first = http.post(path, json=turn)
+        assert first.status_code == 200 and first.json()["model"] == "mlp", first.text
+        other = http.post(path, json={**turn, "model": "all"})
+        assert other.status_code == 400 and "adapter 'mlp'" in other.json()["error"]["message"], other.text
+        assert http.post(path, json={**turn, "model": "mlp"}).status_code == 200
+    engine.stop()
