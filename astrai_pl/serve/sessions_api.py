@@ -36,12 +36,12 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..inference import CapacityError, Completion, InferenceError, PromptError, SamplingParams, Session
+from ..inference.adapters import bind_session, session_adapter
 from ..inference.scheduler import common_prefix
 from ..tokenizer import TokenizerError
+from .adapters_api import adapter_name
 from .bodies import parse_body
 from .errors import APIError, bad_request
-from ..inference.adapters import bind_session, session_adapter
-from .adapters_api import adapter_name
 from .generation import Generation, _engine_error, generate, read_json
 from .protocol import chat_call, chat_messages, templated_ids
 from .state import join_salts

@@ -7,9 +7,13 @@ import json
 import pytest
 import torch
 
-from astrai_pl.inference import Engine, SamplingParams
-from astrai_pl.inference.adapters import (AdapterInUseError, load_lora_adapter, lora_adapters,
-                                          unload_lora_adapter)
+from astrai_pl.inference import Engine, SamplingParams, SessionError
+from astrai_pl.inference.adapters import (
+    AdapterInUseError,
+    load_lora_adapter,
+    lora_adapters,
+    unload_lora_adapter,
+)
 from astrai_pl.inference.sampling import SamplingParamsError
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.model.hf_config import CheckpointError
@@ -134,3 +138,15 @@ def test_a_session_stays_on_the_adapter_it_started_with(dirs):
     with pytest.raises(SamplingParamsError, match="adapter 'mlp'"):
         session.generate([4, 5], SamplingParams(max_tokens=2, lora_name="all"))
     session.generate([4, 5], SamplingParams(max_tokens=2, lora_name="mlp"))
+
+
+def test_a_fork_keeps_the_adapter_and_an_adapter_session_is_not_saved(dirs, tmp_path):
+    engine = served_engine(dirs)
+    session = engine.session()
+    session.generate([1, 2, 3], SamplingParams(max_tokens=2, lora_name="qv"))
+    child = session.fork()
+    with pytest.raises(SamplingParamsError, match="adapter 'qv'"):
+        child.generate([4], SamplingParams(max_tokens=1))  # the base would reuse the adapter's K/V
+    child.generate([4], SamplingParams(max_tokens=1, lora_name="qv"))
+    with pytest.raises(SessionError, match="LoRA adapter 'qv'"):
+        session.save(tmp_path / "s.safetensors")
