@@ -16,9 +16,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Match
 
-from .adapters_api import adapter_cards, adapters_router
+from .adapters_api import adapters_router
 from .errors import error_body, install_error_handlers, internal_error
 from .generation import generate, off_loop
+from .lora_models import adapter_cards
 from .protocol import chat_call, completion_call
 from .sessions_api import sessions_router
 from .state import ServerState

@@ -18,9 +18,9 @@ from pathlib import Path
 from ..commands import USER_ERRORS, _add_model_arguments, load_engine
 from ..inference import InferenceError
 from ..inference.adapters import load_lora_adapter
-from .adapters_api import parse_lora_module
 from .app import create_app
 from .connections import ConnectionLimits, server_config
+from .lora_models import parse_lora_module
 from .sessions_api import DEFAULT_MAX_SESSIONS, DEFAULT_MAX_TTL_S, DEFAULT_TTL_S, SessionStore
 from .state import ServerState, check_api_keys
 

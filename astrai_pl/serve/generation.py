@@ -32,8 +32,8 @@ from ..inference import (
     SamplingParamsError,
 )
 from ..jsonl import NotUtf8, UnreadableJson, decode_utf8, parse_json
-from .adapters_api import route_to_adapter
 from .errors import APIError, bad_request, from_sampling_error, internal_error, log
+from .lora_models import route_to_adapter
 from .protocol import Call, raise_for_finish
 from .state import ServerState, join_salts
 

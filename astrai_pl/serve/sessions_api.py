@@ -39,10 +39,10 @@ from ..inference import CapacityError, Completion, InferenceError, PromptError, 
 from ..inference.adapters import bind_session, session_adapter
 from ..inference.scheduler import common_prefix
 from ..tokenizer import TokenizerError
-from .adapters_api import adapter_name
 from .bodies import parse_body
 from .errors import APIError, bad_request
 from .generation import Generation, _engine_error, generate, read_json
+from .lora_models import adapter_name
 from .protocol import chat_call, chat_messages, templated_ids
 from .state import join_salts
 

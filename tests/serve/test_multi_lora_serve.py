@@ -17,7 +17,7 @@ from astrai_pl.inference import Engine, SamplingParams
 from astrai_pl.inference.adapters import load_lora_adapter
 from astrai_pl.model import Transformer
 from astrai_pl.model.lora import LoraConfig, apply_lora, merge_lora
-from astrai_pl.serve.adapters_api import parse_lora_module
+from astrai_pl.serve.lora_models import parse_lora_module
 from astrai_pl.serve.state import ServerState
 from astrai_pl.tokenizer import Tokenizer
 
