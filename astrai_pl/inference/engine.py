@@ -25,6 +25,7 @@ from itertools import count
 import torch
 
 from ..model.layers import long_rope_after
+from .adapters import bind_adapter
 from .admission import Prompt, is_single_prompt, new_request, params_per_prompt, text_stream
 from .cache import CapacityError, InferenceError
 from .decode_graphs import graphs_wanted, record_decode_graphs, reserve_bytes
@@ -308,7 +309,9 @@ class Engine(StepRecovery, SpeculativeSteps):
     # -- requests: submit → schedule → step → finish → release ----------------------------------------------
     def _request(self, prompt: Prompt, params: SamplingParams, session: Session | None = None) -> Request:
         history = session.tokens if session is not None else []
-        return new_request(f"req-{next(self._ids)}", prompt, params, history, self, session)
+        req = new_request(f"req-{next(self._ids)}", prompt, params, history, self, session)
+        bind_adapter(self, req, session)
+        return req
 
     def _open(
         self, prompt, params: SamplingParams, session: Session | None, keep_deltas: bool

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..model.layers import InputMajorWeights, Linear
+from .adapters import step_rows
 from .attention import StepView, model_features, select_backend
 from .attention.cpu_decode import CpuDecode
 from .decode_graphs import DecodeGraphs, RecordingFailed
@@ -69,7 +70,7 @@ class ModelRunner:
         if getattr(getattr(self.model, "rotary", None), "per_sequence", False):
             lengths["sequence_lengths"] = torch.tensor([len(req.tokens) for req, n in plan for _ in range(n)],
                                                        device=self.device)[None]
-        with Linear.input_major(self.weights):
+        with Linear.input_major(self.weights), step_rows(self.model, plan):
             hidden = None
             if self.cpu_decode is not None:  # None for longrope models, the ones with `lengths`
                 hidden = self.cpu_decode.hidden_states(input_ids, position_ids, view, self.weights)

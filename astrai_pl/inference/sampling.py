@@ -80,6 +80,9 @@ class SamplingParams:
     """Words never generated: a word's last token is masked whenever its other tokens were just generated."""
     structured: StructuredOutput | None = None
     """A JSON schema, regex, choice list or grammar the output must follow (see `inference.grammar`)."""
+    lora_name: str | None = None
+    """The LoRA adapter loaded on the engine under this name that computes the request (adapters.py); None:
+    the base model."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,6 +110,8 @@ class SamplingParams:
         self.seed = _seed(self)
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and len(self.cache_salt) <= 256):
             _fail(self, "cache_salt", "must be a string of at most 256 characters", "pass a short string or None")
+        if self.lora_name is not None and not (isinstance(self.lora_name, str) and self.lora_name):
+            _fail(self, "lora_name", "must be a non-empty string", "pass a loaded adapter's name or None")
         self.stop = _stop_strings(self)
         self.stop_token_ids = _stop_token_ids(self)
         check_fields(self, lambda name, why, fix: _fail(self, name, why, fix))

@@ -215,6 +215,8 @@ class Session:
             self._check_usable()
             child = self.engine.session(self.ttl)
             child.tokens, child.kv_from_file = list(self.tokens), self.kv_from_file
+            if "lora_binding" in self.__dict__:  # its K/V is the adapter's (adapters.bind_adapter)
+                child.__dict__["lora_binding"] = self.__dict__["lora_binding"]
             if self.pages:
                 pages = self.engine.pool.fork(self.pages, self.num_computed)
                 if pages is None:
@@ -263,6 +265,9 @@ class Session:
         RWKV engine its state instead, in the state file format (`StatePool.save_session`)."""
         with self.engine.lock:
             self._check_usable()
+            if self.__dict__.get("lora_binding", (None,))[0] is not None:
+                raise SessionError(f"{self.id} runs on LoRA adapter {self.lora_binding[0]!r}, which a "
+                                   "session file does not record; save sessions of the base model only")
             pool = self.engine.pool
             if holds_states(pool):
                 return pool.save_session(self, path, self.engine.fingerprint.get())

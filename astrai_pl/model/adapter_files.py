@@ -156,6 +156,17 @@ def read_adapter_config(path: str | Path) -> tuple[LoraConfig, dict[str, Any]]:
 
 def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     """Add the adapter in PEFT directory `path` to `model` (in place) with its weights; returns `model`."""
+    state = read_adapter_tensors(model, attach_adapter(model, path))
+    own = adapter_state(model)
+    with torch.no_grad():
+        for key, tensor in state.items():
+            own[key].copy_(tensor)
+    return model
+
+
+def attach_adapter(model: nn.Module, path: str | Path) -> Path:
+    """Give `model` (in place) the adapter layers that PEFT directory `path` describes, weights not read yet;
+    the path of its weights file. CheckpointError naming the file for an adapter this model cannot compute."""
     lora, extra = read_adapter_config(path)
     file = Path(path) / ADAPTER_WEIGHTS
     if not file.is_file():
@@ -170,6 +181,13 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
                               f"{_fused_advice(model)}, and the adapter's matrices would have to be split. Fix: "
                               "merge it with PEFT's merge_and_unload and load the merged model.")
     model.__dict__["adapter_extra"] = extra
+    return file
+
+
+def read_adapter_tensors(model: nn.Module, file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of adapter weights `file`, under `model`'s state-dict keys, once each is checked against the
+    adapter `model` holds (apply_lora): a place for every tensor, the right shape, finite values, none missing.
+    `model` may live on the meta device (only names and shapes are read from it)."""
     own = adapter_state(model)
     by_peft = {_peft_key(k, model.config.model_type): k for k in own}
     state: dict[str, torch.Tensor] = {}
@@ -192,10 +210,7 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     if missing:
         raise CheckpointError(f"{file}: {len(missing)} adapter tensor(s) are missing, e.g. "
                               f"{_peft_key(missing[0], model.config.model_type)!r}. Fix: re-save the adapter.")
-    with torch.no_grad():
-        for key, tensor in state.items():
-            own[key].copy_(tensor)
-    return model
+    return state
 
 
 def _strip_adapter_name(key: str) -> str:

@@ -16,8 +16,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Match
 
+from .adapters_api import adapters_router
 from .errors import error_body, install_error_handlers, internal_error
 from .generation import generate, off_loop
+from .lora_models import adapter_cards
 from .protocol import chat_call, completion_call
 from .sessions_api import sessions_router
 from .state import ServerState
@@ -88,12 +90,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @v1.get("/models")
     async def models() -> dict:
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card(), *adapter_cards(state, state.created)]}
 
     @v1.get("/models/{model:path}")
     async def model(model: str) -> dict:
         state.check_model(model)
-        return card()
+        return next((c for c in adapter_cards(state, state.created) if c["id"] == model), None) or card()
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
@@ -106,6 +108,7 @@ def create_app(state: ServerState) -> FastAPI:
     sessions = sessions_router(state)
     app.include_router(v1)
     app.include_router(sessions, dependencies=[Depends(authorized)])
+    app.include_router(adapters := adapters_router(state), dependencies=[Depends(authorized)])
 
     @app.get("/health")
     async def health() -> Response:
@@ -117,5 +120,5 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=PROMETHEUS_TEXT)
 
-    labelled += [r for router in (v1, sessions, app.router) for r in router.routes if hasattr(r, "path")]
+    labelled += [r for router in (v1, sessions, adapters, app.router) for r in router.routes if hasattr(r, "path")]
     return app

@@ -3,6 +3,7 @@
     astrai-pl serve --model hf_dir/ --port 8000
     astrai-pl serve --model base_hf_dir/ --adapter lora_adapter/ --api-key "$KEY" --max-queue 64
     astrai-pl serve --model hf_dir/ --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    astrai-pl serve --model base_hf_dir/ --lora-modules sql=adapters/sql chat=adapters/chat
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for --graceful-timeout
 seconds, aborts the rest, stops the engine and exits 0.
@@ -17,9 +18,11 @@ import sys
 from pathlib import Path
 
 from ..commands import USER_ERRORS, _add_model_arguments, load_engine
-from ..inference import EngineConfigError, SpeculativeConfig
+from ..inference import EngineConfigError, InferenceError, SpeculativeConfig
+from ..inference.adapters import load_lora_adapter
 from .app import create_app
 from .connections import ConnectionLimits, server_config
+from .lora_models import parse_lora_module
 from .sessions_api import DEFAULT_MAX_SESSIONS, DEFAULT_MAX_TTL_S, DEFAULT_TTL_S, SessionStore
 from .state import ServerState, check_api_keys
 
@@ -67,6 +70,9 @@ def serve_parser() -> argparse.ArgumentParser:
                        help="longest prompt + completion served, in tokens (default: the engine's context)")
     group.add_argument("--served-model-name", default=None,
                        help="the model id clients pass as 'model' (default: the --model path's name)")
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
+                       help="LoRA adapters (PEFT directories) served beside the base, each chosen by a request's "
+                            "'model': NAME; also vLLM's JSON form '{\"name\": NAME, \"path\": DIR}'")
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every decode step eagerly, without CUDA graphs (on by default on a GPU)")
     group.add_argument("--speculative-config", type=_speculative, default=None, metavar="JSON",
@@ -92,6 +98,13 @@ def _speculative(text: str) -> SpeculativeConfig:
         return SpeculativeConfig.from_json(text)
     except EngineConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+def load_lora_modules(engine, base_name: str, specs: list[str]) -> None:
+    """Load each `--lora-modules` value (name=DIR or JSON) as an adapter of `engine`."""
+    for spec in specs:
+        lora_name, path = parse_lora_module(spec)
+        if lora_name == base_name:
+            raise ValueError(f"--lora-modules {spec!r}: '{lora_name}' is the base model's id; pick another name")
+        load_lora_adapter(engine, lora_name, path)
 
 
 def _positive(text: str) -> float:
@@ -141,6 +154,10 @@ def serve_verb(argv: list[str]) -> None:
     except USER_ERRORS as err:
         raise SystemExit(f"astrai-pl serve: {err}") from None
     name = ns.served_model_name or Path(ns.model).resolve().name
+    try:
+        load_lora_modules(engine, name, ns.lora_modules)
+    except (ValueError, OSError, InferenceError) as err:  # CheckpointError and ConfigError are ValueErrors
+        raise SystemExit(f"astrai-pl serve: {err}") from None
     try:
         sessions = SessionStore(engine, ttl=ns.session_ttl, max_ttl=ns.max_session_ttl,
                                 max_sessions=ns.max_sessions, max_tokens=ns.max_session_tokens)

@@ -33,6 +33,7 @@ from ..inference import (
 )
 from ..jsonl import NotUtf8, UnreadableJson, decode_utf8, parse_json
 from .errors import APIError, bad_request, from_sampling_error, internal_error, log
+from .lora_models import route_to_adapter
 from .protocol import Call, raise_for_finish
 from .state import ServerState, join_salts
 
@@ -313,7 +314,9 @@ def off_loop(parse):
 async def generate(request: Request, state: ServerState, parse, start=Generation) -> Response:
     """Parse the body into a Call (`parse`: a coroutine function, e.g. `off_loop(completion_call)`), submit it
     (`start`: a Generation or a session's turn) and answer."""
-    call = await parse(await read_json(request), state)
+    raw = await read_json(request)
+    call = await parse(raw, state)
+    route_to_adapter(state, call, raw)
     if not getattr(call, "salted", False):  # a session's turn carries its session's salt
         call.params.cache_salt = join_salts(getattr(request.state, "key_salt", None), call.params.cache_salt)
     state.admit()

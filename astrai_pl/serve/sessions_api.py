@@ -36,11 +36,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..inference import CapacityError, Completion, InferenceError, PromptError, SamplingParams, Session
+from ..inference.adapters import bind_session, session_adapter
 from ..inference.scheduler import common_prefix
 from ..tokenizer import TokenizerError
 from .bodies import parse_body
 from .errors import APIError, bad_request
 from .generation import Generation, _engine_error, generate, read_json
+from .lora_models import adapter_name
 from .protocol import chat_call, chat_messages, templated_ids
 from .state import join_salts
 
@@ -285,6 +287,7 @@ def _turn_parser(store: SessionStore, session_id: str, box: dict):
         ids = stored.conversation(call.prompts[0], state.tokenizer)
         call.prompts = [ids]
         call.params.cache_salt, call.salted = stored.cache_salt, True
+        call.params.lora_name = session_adapter(stored.session)  # a body's `model` may name it (or refuse)
         if raw.get("max_tokens") is None and raw.get("max_completion_tokens") is None:  # what the limit leaves
             call.params.max_tokens = max(1, min(call.params.max_tokens, store.room(stored) - len(ids)))
         need = store.reserve(stored, len(ids) + call.params.max_tokens)  # the reply's pages stay the session's
@@ -317,7 +320,8 @@ async def _prefill(state, stored: StoredSession, ids: list[int]) -> None:
     state.admit()
     stored.busy = True
     try:
-        handle = stored.session.submit(ids, SamplingParams(max_tokens=0, cache_salt=stored.cache_salt))
+        handle = stored.session.submit(ids, SamplingParams(max_tokens=0, cache_salt=stored.cache_salt,
+                                                           lora_name=session_adapter(stored.session)))
         try:
             await handle.result_async()
         finally:
@@ -348,6 +352,7 @@ def sessions_router(state) -> APIRouter:
         ttl = store.ttl_for(body.ttl)
         messages, ids = await state.off_loop(_warm_ids, state, body.messages)  # see generation.off_loop
         stored = store.open(ttl, messages, ids, join_salts(getattr(request.state, "key_salt", None), body.cache_salt))
+        bind_session(state.engine, stored.session, adapter_name(state, body.model))
         if ids:
             try:
                 await _prefill(state, stored, ids)

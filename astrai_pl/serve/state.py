@@ -16,6 +16,7 @@ from functools import cached_property
 from typing import Any
 
 from ..inference import Engine, RequestHandle
+from ..inference.adapters import lora_adapters
 from ..tokenizer import Tokenizer
 from .errors import APIError
 from .limits import text_limit
@@ -103,7 +104,7 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work, *args)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in lora_adapters(self.engine):
             raise APIError(404, f"the model '{model[:80]}' does not exist; this server serves '{self.model_name}' "
                                 "(GET /v1/models)", param="model", code="model_not_found")
 
