@@ -27,7 +27,6 @@ import torch
 from ..model.layers import long_rope_after
 from .adapters import bind_adapter
 from .admission import Prompt, is_single_prompt, new_request, params_per_prompt, text_stream
-from .cache import CapacityError, InferenceError
 from .decode_graphs import graphs_wanted, record_decode_graphs, reserve_bytes
 from .handle import Outbox, RequestHandle
 from .loop import BackgroundLoop
@@ -331,29 +330,6 @@ class Engine(StepRecovery, SpeculativeSteps):
         self.scheduler.add(req)
         self._loop.notify()
         return handle
-
-    def _step_or_fail(self) -> None:
-        if self.scheduler.idle:
-            raise InferenceError("no request is queued or running")
-        if not self._advance():
-            pinned = sum(len(s.pages) for s in self.sessions.values())
-            err = CapacityError(
-                f"the request does not fit in the pool beside what sessions pin ({self.pool.usage()}; sessions "
-                f"pin {pinned} pages); lower its max_tokens or n, close or expire sessions, or raise max_total_tokens"
-            )
-            if self.scheduler.running or not self.scheduler.waiting:
-                raise err
-            # nothing runs, so nothing will free memory for the head of the queue: it alone is refused, and
-            # the requests behind it are served (admission keeps arrival order, so it would block them all)
-            self._refuse(self.scheduler.waiting[0], err)
-
-    def _refuse(self, req: Request, err: CapacityError) -> None:
-        """End a queued request that cannot be served: its handle raises `err`, the others go on."""
-        delta = self._fail(req, err)
-        self._ended = [parent for parent in self._ended if parent is not req]
-        if self._outbox.handles.get(req.id) is None:  # an add_request caller learns it from step()
-            self._outbox.post([delta])
-        self._outbox.end(req.id, [req.completion()], err)
 
     def _advance(self) -> bool:
         """One step, its deltas posted to their consumers; False when nothing could be scheduled."""

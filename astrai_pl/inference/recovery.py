@@ -1,11 +1,13 @@
 """What the engine does when a step fails: the step is run again one request at a time, a request that fails
 alone ends with finish_reason "error" and gives its memory back, and an engine-wide error (or an interrupt)
-undoes the step and propagates. A mixin of `Engine`, which gives it `_compute`, `_commit` and `_finish`.
+undoes the step and propagates; when nothing can be scheduled, the head of the queue that cannot fit beside what
+sessions pin is refused alone. A mixin of `Engine`, which gives it `_compute`, `_commit`, `_finish`, `_advance`
+and its scheduler, pool, sessions and outbox.
 """
 
 from __future__ import annotations
 
-from .cache import InferenceError
+from .cache import CapacityError, InferenceError
 from .request import Delta, Request
 
 
@@ -70,3 +72,26 @@ def _rewind(before: list[tuple[Request, int, int]]) -> None:
     for req, num_computed, table_len in before:
         if req.ready_logits is None and not req.finished:
             req.num_computed, req.table_len = num_computed, table_len
+
+    def _step_or_fail(self) -> None:
+        if self.scheduler.idle:
+            raise InferenceError("no request is queued or running")
+        if not self._advance():
+            pinned = sum(len(s.pages) for s in self.sessions.values())
+            err = CapacityError(
+                f"the request does not fit in the pool beside what sessions pin ({self.pool.usage()}; sessions "
+                f"pin {pinned} pages); lower its max_tokens or n, close or expire sessions, or raise max_total_tokens"
+            )
+            if self.scheduler.running or not self.scheduler.waiting:
+                raise err
+            # nothing runs, so nothing will free memory for the head of the queue: it alone is refused, and
+            # the requests behind it are served (admission keeps arrival order, so it would block them all)
+            self._refuse(self.scheduler.waiting[0], err)
+
+    def _refuse(self, req: Request, err: CapacityError) -> None:
+        """End a queued request that cannot be served: its handle raises `err`, the others go on."""
+        delta = self._fail(req, err)
+        self._ended = [parent for parent in self._ended if parent is not req]
+        if self._outbox.handles.get(req.id) is None:  # an add_request caller learns it from step()
+            self._outbox.post([delta])
+        self._outbox.end(req.id, [req.completion()], err)
