@@ -67,12 +67,6 @@ class StepRecovery:
         return Delta(req.id, "", [], "error", req.completion())
 
 
-def _rewind(before: list[tuple[Request, int, int]]) -> None:
-    """Undo a failed forward: requests without fresh logits compute their tokens again."""
-    for req, num_computed, table_len in before:
-        if req.ready_logits is None and not req.finished:
-            req.num_computed, req.table_len = num_computed, table_len
-
     def _step_or_fail(self) -> None:
         if self.scheduler.idle:
             raise InferenceError("no request is queued or running")
@@ -95,3 +89,10 @@ def _rewind(before: list[tuple[Request, int, int]]) -> None:
         if self._outbox.handles.get(req.id) is None:  # an add_request caller learns it from step()
             self._outbox.post([delta])
         self._outbox.end(req.id, [req.completion()], err)
+
+
+def _rewind(before: list[tuple[Request, int, int]]) -> None:
+    """Undo a failed forward: requests without fresh logits compute their tokens again."""
+    for req, num_computed, table_len in before:
+        if req.ready_logits is None and not req.finished:
+            req.num_computed, req.table_len = num_computed, table_len
