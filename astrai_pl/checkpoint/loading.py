@@ -17,8 +17,8 @@ from ..model.config import ConfigError
 from ..model.hf import CheckpointError, NonFiniteWeightError, export_dir, nonfinite_tensors, read_config
 from ..model.lora import apply_lora, merge_lora
 from ..model.nf4 import quantize_base
-from . import lora_base
 from .archive import interrupted_copy, is_sharded_checkpoint, read_checkpoint
+from .lora_base import candidates, note_found, search_roots
 from .runs import resolve_latest
 
 
@@ -187,16 +187,16 @@ def _trained_base(path: Path, base: dict[str, Any], quantize: str | None, arch: 
         why, failure = "holds other weights", None
     skip = (Path(recorded), path, *_BASES_BEING_READ.get())
     searched = 0
-    for candidate in lora_base.candidates(path, base, skip):
+    for candidate in candidates(path, base, skip):
         searched += 1
         try:
             model = _read_base(path, str(candidate), quantize, arch)
         except CheckpointError:
             continue  # a damaged or unrelated checkpoint of the run: not the base
         if math.isclose(saved, weights_fingerprint(model), rel_tol=1e-9):
-            lora_base.note_found(path, recorded, candidate, why)
+            note_found(path, recorded, candidate, why)
             return model, str(candidate)
-    roots = ", ".join(map(str, lora_base.search_roots(path, base))) or "no run folder found"
+    roots = ", ".join(map(str, search_roots(path, base))) or "no run folder found"
     detail = (f"{failure}" if failure is not None else f"{path}: the base weights at init_from={recorded!r} are "
               "not those the adapter was trained on (their fingerprint differs)")
     raise CheckpointError(f"{detail}; none of the {searched} other checkpoint(s) of its runs ({roots}) holds them. "
