@@ -4,6 +4,7 @@ and on an RWKV model blend, scale, inspect and distance; attention sessions refu
 import contextlib
 import json
 import struct
+import time
 
 import httpx
 import pytest
@@ -210,3 +211,25 @@ def test_the_state_routes_need_the_api_key_and_a_live_id(rwkv):
         refused(http.post(f"/v1/sessions/{sid}/scale", json={"component": "aa", "factor": 1}), 401, "")
         refused(http.post("/v1/sessions", content=b"x", headers=FILE), 401, "")
         refused(http.get("/v1/sessions/sess_guess/inspect", headers=key), 404, "sess_guess")
+
+
+def test_a_turn_walked_away_from_leaves_an_edited_state_as_it_was(rwkv, monkeypatch):
+    """An edited state does not follow from its tokens: an aborted turn must not recompute it from them."""
+    http, state = rwkv
+    sid = session(http, "Be brief.")
+    ok(http.post(f"/v1/sessions/{sid}/scale", json={"component": "history", "factor": 0.25}))
+    before = fork(http, sid)
+    forward = state.engine.runner.forward
+    monkeypatch.setattr(state.engine.runner, "forward", lambda plan: (time.sleep(0.02), forward(plan))[1])
+    body = {"messages": user("Tell me a long story."), "max_tokens": 100, "temperature": 0, "stream": True}
+    with http.stream("POST", f"/v1/sessions/{sid}/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                break  # the first text: walk away
+    deadline = time.monotonic() + TIMEOUT
+    while state.sessions.get(sid).busy:
+        assert time.monotonic() < deadline, "the turn was not aborted"
+        time.sleep(0.01)
+    monkeypatch.undo()
+    assert set(distances(http, sid, before).values()) == {0.0}
+    assert reply(http, sid) == reply(http, before)
