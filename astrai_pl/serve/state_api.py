@@ -38,7 +38,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
-from starlette.requests import ClientDisconnect
 
 from ..inference import CapacityError
 from ..inference.recurrent.held import (
@@ -52,7 +51,7 @@ from ..inference.recurrent.held import (
 from ..inference.sessions import SessionError
 from .bodies import parse_body
 from .errors import APIError, bad_request
-from .generation import MAX_BODY_BYTES, read_json
+from .generation import MAX_BODY_BYTES, read_bytes, read_json
 from .protocol import chat_messages
 from .state import join_salts
 
@@ -82,19 +81,11 @@ def is_upload(request: Request) -> bool:
 
 async def read_upload(request: Request) -> bytes:
     """The body's bytes, no further than MAX_BODY_BYTES (413 beyond)."""
-    raw = bytearray()
-    try:
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise APIError(413, f"the session file is over {MAX_BODY_BYTES} bytes, the most the server reads",
-                               code="request_too_large")
-    except ClientDisconnect:
-        raise APIError(499, "the client disconnected", code="client_closed_request") from None
+    raw = await read_bytes(request, MAX_BODY_BYTES, "the session file")
     if not raw:
         raise bad_request("the request body is empty; send a session file written by GET /v1/sessions/{id}/state "
                           "or Session.save", "file")
-    return bytes(raw)
+    return raw
 
 
 def _refusal(err: Exception, path: str | None = None) -> APIError:
