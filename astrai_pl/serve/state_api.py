@@ -184,6 +184,7 @@ def state_routes(router: APIRouter, state, store, flush) -> None:
         session = await state.off_loop(_checked, blend_held, stored.session, (other or stored).session,
                                        body.alpha)
         session.ttl = ttl
+        session.touch()  # its expiry counts from now, under its own TTL
         return store.adopt(session, list(stored.messages), stored.cache_salt).describe()
 
     @router.post("/{session_id}/scale")

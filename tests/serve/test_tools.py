@@ -154,3 +154,13 @@ def test_the_scripted_forward_is_what_writes_the_reply(client, scripted, engine)
                                          max_tokens=10, temperature=0)
     assert got.choices[0].message.content == "abc" and got.choices[0].finish_reason == "stop"
     assert torch.is_tensor(engine.model.lm_head.weight)
+
+
+def test_the_tool_call_parser_option_is_vllms_and_refuses_others():
+    from astrai_pl.serve.cli import serve_parser
+
+    assert serve_parser().parse_args(["--model", "m", "--tool-call-parser", "llama3_json"]).tool_call_parser == (
+        "llama3_json")
+    assert serve_parser().parse_args(["--model", "m"]).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--model", "m", "--tool-call-parser", "mistral"])
