@@ -79,6 +79,8 @@ def serve_parser() -> argparse.ArgumentParser:
                        help='n-gram speculative decoding, as vLLM\'s flag: \'{"method": "ngram", '
                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (off by default: it costs '
                             'when outputs do not quote their prompts; docs/benchmarks.md)')
+    group.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                       help="how tool calls are read out of replies (default: from the chat template)")
     group.add_argument("--graceful-timeout", type=_at_least(0, float), default=30.0,
                        help="seconds requests in flight may take to finish on shutdown before they are aborted")
     sessions = parser.add_argument_group("sessions (/v1/sessions)")
@@ -165,7 +167,8 @@ def serve_verb(argv: list[str]) -> None:
         raise SystemExit(f"astrai-pl serve: {err}") from None
     state = ServerState(engine, tokenizer, name, api_key=keys, salt_per_key=ns.cache_salt_per_key,
                         report_cached_tokens=ns.enable_prompt_tokens_details, max_queue=ns.max_queue,
-                        max_model_len=ns.max_model_len, stop_token_ids=eos_ids, sessions=sessions)
+                        max_model_len=ns.max_model_len, stop_token_ids=eos_ids, sessions=sessions,
+                        tool_call_parser=ns.tool_call_parser)
     config = server_config(create_app(state), ns.host, ns.port, limits, lifespan="on",
                            timeout_graceful_shutdown=ns.graceful_timeout, log_level="info")
     server = uvicorn.Server(config)

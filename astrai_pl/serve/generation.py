@@ -248,19 +248,26 @@ class EventStream(StreamingResponse):
             self.state.release()
 
 
-async def read_json(request: Request) -> dict:
-    """The body as a JSON object; read no further than MAX_BODY_BYTES (413 beyond)."""
+async def read_bytes(request: Request, limit: int | None = None, what: str = "the request body") -> bytes:
+    """The body; read no further than `limit` (default MAX_BODY_BYTES; 413 beyond)."""
+    limit = MAX_BODY_BYTES if limit is None else limit
     raw = bytearray()
     try:
         async for chunk in request.stream():
             raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes, the most the server reads",
+            if len(raw) > limit:
+                raise APIError(413, f"{what} is over {limit} bytes, the most the server reads",
                                code="request_too_large")
     except ClientDisconnect:  # gone before the body was whole: nothing to answer, nothing went wrong here
         raise APIError(499, "the client disconnected", code="client_closed_request") from None
+    return bytes(raw)
+
+
+async def read_json(request: Request) -> dict:
+    """The body as a JSON object; read no further than MAX_BODY_BYTES (413 beyond)."""
+    raw = await read_bytes(request)
     try:
-        text = decode_utf8(bytes(raw))
+        text = decode_utf8(raw)
         body = parse_json(text)
     except (NotUtf8, UnreadableJson) as err:
         raise bad_request(f"the request body is not valid JSON ({err}); send a JSON object") from None

@@ -50,13 +50,14 @@ def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def templated_ids(tokenizer, messages: list[dict], generation_prompt: bool = True,
-                  limit: tuple[int, int] | None = None) -> list[int]:
+                  limit: tuple[int, int] | None = None, tools: list[dict] | None = None) -> list[int]:
     """The conversation through the chat template, BOS first exactly once: `commands.chat_ids` (or, without
     the generation prompt, a stored conversation's ids), encoded by `encode_texts`. `limit`: (characters,
     context) past which the contents, then the rendered text, are refused before they are rendered or encoded."""
     if limit is not None:
         check_text_size(sum(len(m["content"]) for m in messages), *limit, "messages", "the messages' content")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                         **({"tools": tools} if tools else {}))
     if limit is not None:
         check_text_size(len(text), *limit, "messages", "the conversation through the chat template")
     [ids] = encode_texts(tokenizer, [text])
@@ -369,9 +370,11 @@ class CompletionCall(Call):
 class ChatCall(Call):
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, state, body: ChatRequest, prompts, params: SamplingParams, top: int):
+    def __init__(self, state, body: ChatRequest, prompts, params: SamplingParams, top: int,
+                 tool_parser: str | None = None):
         super().__init__(state, body, prompts, params)
-        self.top = top
+        self.top, self.tool_parser = top, tool_parser  # tools.py reads calls out of the text with it
+        self.tool_streams: dict = {}
 
     def logprobs_body(self, entries: TokenLogprobs) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
@@ -386,8 +389,13 @@ class ChatCall(Call):
         logprobs = None
         if self.params.logprobs:
             logprobs = self.logprobs_body(generated_logprobs(c.token_ids, c.logprobs, c.top_logprobs))
-        return {"index": index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": logprobs, "finish_reason": c.finish_reason}
+        message = {"role": "assistant", "content": c.text, "refusal": None}
+        if self.tool_parser is None:
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        from .tools import tool_choice  # tools.py builds on this module
+
+        message, finish = tool_choice(message, c.finish_reason, self.tool_parser)
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def opening_chunks(self) -> list[dict]:
         """Each choice's stream opens with the assistant role."""
@@ -397,6 +405,11 @@ class ChatCall(Call):
     def chunks(self, index: int, delta: Delta) -> list[dict]:
         entries = self.delta_logprobs(delta)
         logprobs = None if entries is None else self.logprobs_body(entries)
+        if self.tool_parser is not None:
+            from .tools import tool_chunks  # tools.py builds on this module
+
+            return [self.chunk([{"index": index, "logprobs": logprobs if i == 0 else None, **choice}])
+                    for i, choice in enumerate(tool_chunks(self.tool_streams, index, delta, self.tool_parser))]
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         return [self.chunk([{"index": index, "delta": content, "logprobs": logprobs,
                              "finish_reason": delta.finish_reason}])]
@@ -429,18 +442,17 @@ def completion_call(raw: dict, state) -> CompletionCall:
 def chat_call(raw: dict, state) -> ChatCall:
     body = parse_body(raw, ChatRequest)
     state.check_model(body.model)
-    if body.tools or body.functions:
-        param = "tools" if body.tools else "functions"
-        raise bad_request(f"'{param}': tool calling is not supported by this server; leave it out", param)
-    if body.tool_choice not in (None, "none"):
-        raise bad_request("'tool_choice': tool calling is not supported by this server", "tool_choice")
+    from .tools import check_tools, conversation, parser_for  # tools.py builds on this module
+
+    parser = parser_for(state.tokenizer.chat_template, state.tool_call_parser)
+    tools = check_tools(body, parser)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
-    messages = chat_messages(body.messages)
+    messages = conversation(body.messages)
     if state.tokenizer.chat_template is None:
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     try:
-        ids = templated_ids(state.tokenizer, messages, limit=state.text_limit)
+        ids = templated_ids(state.tokenizer, messages, limit=state.text_limit, tools=tools)
     except TokenizerError as err:
         raise bad_request(str(err), "messages") from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -451,7 +463,7 @@ def chat_call(raw: dict, state) -> ChatCall:
                                 "messages")
     params = sampling_params(body, max_tokens, state.stop_token_ids, bool(body.logprobs), body.top_logprobs or 0,
                              {"max_tokens": param}, constraints=constraint_fields(body, state))
-    return ChatCall(state, body, [ids], params, body.top_logprobs or 0)
+    return ChatCall(state, body, [ids], params, body.top_logprobs or 0, parser if tools else None)
 
 
 def raise_for_finish(completions: list[Completion | None]) -> None:

@@ -35,6 +35,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..commands import bos_first
 from ..inference import CapacityError, Completion, InferenceError, PromptError, SamplingParams, Session
 from ..inference.adapters import bind_session, session_adapter
 from ..inference.scheduler import common_prefix
@@ -45,6 +46,7 @@ from .generation import Generation, _engine_error, generate, read_json
 from .lora_models import adapter_name
 from .protocol import chat_call, chat_messages, templated_ids
 from .state import join_salts
+from .state_api import is_upload, state_routes, upload
 
 DEFAULT_TTL_S = 600.0
 DEFAULT_MAX_TTL_S = 3600.0
@@ -72,6 +74,8 @@ class StoredSession:
         self.busy = False
         self.reserved_pages = 0  # what a running turn may come to pin: its conversation and max_tokens
         self.closed = False
+        self.derived = False  # its state does not follow from its tokens (uploaded, blended, edited: state_api.py)
+        self.backup: Session | None = None  # a derived session's state while a turn runs on it
 
     def conversation(self, render: list[int], tokenizer) -> list[int]:
         """The ids the next turn continues from: `render` (the whole conversation templated) when the
@@ -79,7 +83,10 @@ class StoredSession:
         history's own render (see the module's docstring)."""
         if render[: len(self.tokens)] == self.tokens:
             return render
-        base = templated_ids(tokenizer, self.messages, generation_prompt=False)
+        if not self.messages:  # an uploaded session: what the render opens a conversation with is not repeated
+            base = bos_first(tokenizer, [])
+        else:
+            base = templated_ids(tokenizer, self.messages, generation_prompt=False)
         return self.tokens + render[common_prefix(render, base):]
 
     def settle(self, new: list[dict], completion: Completion | None) -> None:
@@ -87,9 +94,16 @@ class StoredSession:
         tokens behind (an aborted turn hands what it computed to the session, which starts again from the
         history: its full pages are still in the prefix cache)."""
         self.busy, self.reserved_pages = False, 0
+        backup, self.backup = self.backup, None
         if self.closed:
             return
-        if completion is not None and completion.finish_reason in ("stop", "length"):
+        finished = completion is not None and completion.finish_reason in ("stop", "length")
+        if backup is not None and not finished:  # the state its tokens could not compute again
+            self.session.close()
+            self.session = backup
+        elif backup is not None:
+            backup.close()
+        if finished:
             self.messages = [*self.messages, *new, {"role": "assistant", "content": completion.text}]
             self.tokens = list(self.session.tokens)
         elif self.session.tokens != self.tokens:
@@ -198,7 +212,8 @@ class SessionStore:
                            type="rate_limit_error", code="session_memory_full")
         return need
 
-    def _check_count(self) -> None:
+    def check_room(self) -> None:
+        """A 429 when `max_sessions` are live."""
         self.sweep()
         if len(self._sessions) >= self.max_sessions:
             raise APIError(429, f"{len(self._sessions)} sessions are live, the server keeps at most "
@@ -208,14 +223,14 @@ class SessionStore:
 
     def open(self, ttl: float, messages: list[dict], warm: list[int], cache_salt: str | None = None
              ) -> StoredSession:
-        self._check_count()
+        self.check_room()
         self.reserve(None, len(warm))
         stored = StoredSession(self, self.engine.session(ttl), ttl, messages, cache_salt)
         self._sessions[stored.id] = stored
         return stored
 
     def fork(self, stored: StoredSession) -> StoredSession:
-        self._check_count()
+        self.check_room()
         self.reserve(None, self.engine.page_size if stored.session.pages else 0)  # the partial page's copy
         try:
             session = stored.session.fork()
@@ -223,14 +238,24 @@ class SessionStore:
             raise APIError(429, f"cannot fork: {err}; retry later", type="rate_limit_error",
                            code="kv_pool_full") from None
         child = StoredSession(self, session, stored.ttl, list(stored.messages), stored.cache_salt)
+        child.derived = stored.derived
         self._sessions[child.id] = child
         return child
+
+    def adopt(self, session: Session, messages: list[dict], cache_salt: str | None) -> StoredSession:
+        """Keep an engine session made outside `open` and `fork` (state_api.py: uploaded or blended), derived."""
+        stored = StoredSession(self, session, session.ttl, messages, cache_salt)
+        stored.derived = True
+        self._sessions[stored.id] = stored
+        return stored
 
     def close(self, session_id: str) -> None:
         stored = self._sessions.pop(session_id, None)
         if stored is not None:
             stored.closed = True
             stored.session.close()
+            if stored.backup is not None:
+                stored.backup.close()
 
     def close_all(self) -> None:
         for session_id in list(self._sessions):
@@ -249,6 +274,8 @@ class SessionTurn(Generation):
     def submit(self, ids: list[int]):
         held = self.stored.session.tokens
         assert ids[: len(held)] == held, "a turn continues its session's tokens"
+        if self.stored.derived:
+            self.stored.backup = self.stored.session.fork()
         return self.stored.session.submit(ids[len(held):], self.call.params)
 
     async def events(self):
@@ -347,6 +374,8 @@ def sessions_router(state) -> APIRouter:
 
     @router.post("")
     async def create(request: Request) -> dict:
+        if is_upload(request):  # a session file as the body (state_api.py)
+            return await upload(request, state, store)
         body = parse_body(await read_json(request), SessionRequest)
         state.check_model(body.model)
         ttl = store.ttl_for(body.ttl)
@@ -384,4 +413,5 @@ def sessions_router(state) -> APIRouter:
         return await generate(request, state, _turn_parser(store, session_id, box),
                               start=lambda st, call: SessionTurn(st, call, **box))
 
+    state_routes(router, state, store, flush=lambda stored: _prefill(state, stored, []))
     return router

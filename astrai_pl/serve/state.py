@@ -46,6 +46,7 @@ class ServerState:
     max_queue: int | None = None
     max_model_len: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    tool_call_parser: str | None = None  # --tool-call-parser (serve/tools.py); None: chosen from the template
     metrics: Any = field(default_factory=Metrics)
     sessions: Any = None
     created: int = field(default_factory=lambda: int(time.time()))

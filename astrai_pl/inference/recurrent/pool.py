@@ -142,6 +142,17 @@ class StatePool:
         self.held[handle] = [rows[:, slot].clone() for rows in self.rows]
         return handle
 
+    def hold_state(self, state: list[torch.Tensor]) -> int:
+        """Hold `state` (one (layers, H) tensor per component, in the rows' dtypes); the handle that restores it."""
+        handle = next(self._handles)
+        self.held[handle] = state
+        return handle
+
+    def zero_state(self) -> list[torch.Tensor]:
+        """The state before any token, one (layers, H) tensor per component (what `clear` writes)."""
+        last = len(self.rows) - 1
+        return [torch.full_like(rows[:, 0], NO_EXPONENT if i == last else 0.0) for i, rows in enumerate(self.rows)]
+
     def take(self, handle: int, slot: int) -> None:
         """Restore a held state into `slot`; the handle is spent."""
         for rows, saved in zip(self.rows, self.held.pop(handle)):
@@ -174,8 +185,7 @@ class StatePool:
             held = self.held[handle]
         else:
             assert session.num_computed == 0, f"{session.id} computed tokens but holds no state"
-            held = [torch.full_like(rows[:, 0], NO_EXPONENT if i == len(self.rows) - 1 else 0.0)
-                    for i, rows in enumerate(self.rows)]
+            held = self.zero_state()
         layers = [LayerState(*(t[i : i + 1] for t in held)) for i in range(held[0].shape[0])]
         write_state(path, layers, session.last_logits, fingerprint, session.num_computed, torch.float32,
                     token_ids=session.tokens)
