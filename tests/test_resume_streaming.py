@@ -19,6 +19,7 @@ from astrai_pl.callbacks import read_checkpoint
 
 MAX_STEPS, ACCUMULATE = 8, 2
 
+
 def _write_jsonl(path, docs: int, seed: int):
     rng = random.Random(seed)
     with open(path, "w") as f:
