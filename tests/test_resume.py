@@ -10,7 +10,8 @@ import signal
 
 import pytest
 import torch
-from fit_runs import debug_config, final_weights, finish, launch, losses, wait_for_lines, write_corpus
+from fit_runs import debug_config, final_weights, finish, losses, wait_for_lines, write_corpus
+from forked_fit import launch_forked as launch
 
 from astrai_pl.callbacks import read_checkpoint
 

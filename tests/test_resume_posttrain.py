@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fit_runs import ROOT, finish, launch, losses, quiet_trainer, wait_for_lines
+from fit_runs import ROOT, finish, losses, quiet_trainer, wait_for_lines
+from forked_fit import launch_forked as launch
 
 from astrai_pl.callbacks import read_checkpoint
 from astrai_pl.data import DPOData, GRPOData, KTOData
@@ -42,7 +43,6 @@ def _config(folder: Path, kind: str) -> Path:
     return path
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dpo", "grpo", "kto", "orpo", "simpo", "reward"])
 def test_sigkill_then_resume_sees_the_same_batches(tmp_path, kind):
     reference = launch(_config(tmp_path / "reference", kind))

@@ -12,13 +12,12 @@ import signal
 import pytest
 import torch
 import yaml
-from fit_runs import WORDS, debug_config, final_weights, finish, launch, losses, wait_for_lines
+from fit_runs import WORDS, debug_config, final_weights, finish, losses, wait_for_lines
+from forked_fit import launch_forked as launch
 
 from astrai_pl.callbacks import read_checkpoint
 
 MAX_STEPS, ACCUMULATE = 8, 2
-
-pytestmark = pytest.mark.slow
 
 
 def _write_jsonl(path, docs: int, seed: int):

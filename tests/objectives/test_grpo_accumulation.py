@@ -97,6 +97,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# slow (make test-all): two spawned gloo processes; the one-process equality above stays in `make test`
 @pytest.mark.slow
 def test_dapo_under_two_ddp_ranks_equals_one_batch_of_both():
     ctx = mp.get_context("spawn")

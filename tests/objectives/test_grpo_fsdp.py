@@ -115,6 +115,7 @@ def _gather_rank(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+# slow (make test-all): two spawned gloo processes, each importing the stack afresh
 @pytest.mark.slow
 def test_gathered_weights_equal_the_full_model_and_decode_without_collectives():
     results = mp.get_context("spawn").SimpleQueue()
@@ -171,6 +172,7 @@ def runs(tmp_path_factory):
     return {name: mean_losses(config.parent) for name, config in configs.items()}
 
 
+# slow (make test-all): four fit runs, seven processes started together, each importing the stack afresh
 @pytest.mark.slow
 @pytest.mark.parametrize("name, reference", [("fsdp2", "ddp"), ("tp", "single")])
 def test_sharded_grpo_losses_equal_the_unsharded_run(runs, name, reference):

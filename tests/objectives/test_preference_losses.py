@@ -144,7 +144,6 @@ class Accelerator:
     gather = gather_for_metrics
 
 
-@pytest.mark.slow
 def test_orpo_equals_trl_odds_ratio_loss():
     orpo = pytest.importorskip("trl.experimental.orpo")
     chosen, rejected = case(1)[:2]
@@ -159,7 +158,6 @@ def test_orpo_equals_trl_odds_ratio_loss():
     torch.testing.assert_close(metrics["rewards/chosen"].float(), chosen_rewards.mean())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
 def test_simpo_equals_trl_cpo_with_loss_type_simpo(label_smoothing):
     cpo = pytest.importorskip("trl.experimental.cpo")
@@ -172,7 +170,6 @@ def test_simpo_equals_trl_cpo_with_loss_type_simpo(label_smoothing):
     torch.testing.assert_close(metrics["rewards/rejected"], rejected_rewards.mean())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("center", [None, 0.01])
 def test_bradley_terry_equals_trl_reward_trainer_compute_loss(center):
     reward = pytest.importorskip("trl.trainer.reward_trainer")
@@ -210,7 +207,6 @@ def kto_stand_in(kto_module, loss_type, logps):
     return stand_in, model
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
 def test_kto_equals_trl_kto_trainer_compute_loss(loss_type):
     kto_module = pytest.importorskip("trl.trainer.kto_trainer")
