@@ -371,10 +371,12 @@ class ChatCall(Call):
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
     def __init__(self, state, body: ChatRequest, prompts, params: SamplingParams, top: int,
-                 tool_parser: str | None = None):
+                 tool_parser: str | None = None, named_call: bool = False):
         super().__init__(state, body, prompts, params)
         self.top, self.tool_parser = top, tool_parser  # tools.py reads calls out of the text with it
         self.tool_streams: dict = {}
+        # a call the request named ends with "stop", as OpenAI's does; one the model chose with "tool_calls"
+        self.call_finish = "stop" if named_call else "tool_calls"
 
     def logprobs_body(self, entries: TokenLogprobs) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
@@ -395,6 +397,7 @@ class ChatCall(Call):
         from .tools import tool_choice  # tools.py builds on this module
 
         message, finish = tool_choice(message, c.finish_reason, self.tool_parser)
+        finish = self.call_finish if finish == "tool_calls" else finish
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def opening_chunks(self) -> list[dict]:
@@ -408,8 +411,12 @@ class ChatCall(Call):
         if self.tool_parser is not None:
             from .tools import tool_chunks  # tools.py builds on this module
 
+            choices = tool_chunks(self.tool_streams, index, delta, self.tool_parser)
+            for choice in choices:
+                if choice["finish_reason"] == "tool_calls":
+                    choice["finish_reason"] = self.call_finish
             return [self.chunk([{"index": index, "logprobs": logprobs if i == 0 else None, **choice}])
-                    for i, choice in enumerate(tool_chunks(self.tool_streams, index, delta, self.tool_parser))]
+                    for i, choice in enumerate(choices)]
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         return [self.chunk([{"index": index, "delta": content, "logprobs": logprobs,
                              "finish_reason": delta.finish_reason}])]
@@ -442,10 +449,11 @@ def completion_call(raw: dict, state) -> CompletionCall:
 def chat_call(raw: dict, state) -> ChatCall:
     body = parse_body(raw, ChatRequest)
     state.check_model(body.model)
-    from .tools import check_tools, conversation, parser_for  # tools.py builds on this module
+    from .tools import check_tools, conversation, forced_call, parser_for  # tools.py builds on this module
 
     parser = parser_for(state.tokenizer.chat_template, state.tool_call_parser)
     tools = check_tools(body, parser)
+    forced = forced_call(body.tool_choice, tools)  # "required" or a named function: a call decoded under a schema
     if body.top_logprobs and not body.logprobs:
         raise bad_request("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
     messages = conversation(body.messages)
@@ -461,9 +469,13 @@ def chat_call(raw: dict, state) -> ChatCall:
     fits = state.pool_room(n) - len(ids)  # left out, max_tokens is the room each of n samples has in the pool
     max_tokens = max_new_tokens(requested, len(ids), state.context_len, fits if fits > 0 else None, param,
                                 "messages")
+    constraints = constraint_fields(body, state, forced)
     params = sampling_params(body, max_tokens, state.stop_token_ids, bool(body.logprobs), body.top_logprobs or 0,
-                             {"max_tokens": param}, constraints=constraint_fields(body, state))
-    return ChatCall(state, body, [ids], params, body.top_logprobs or 0, parser if tools else None)
+                             {"max_tokens": param}, constraints=constraints)
+    # a forced call is the bare JSON object, which the llama3_json reading takes whatever the template's format
+    reading = "llama3_json" if forced is not None else parser if tools else None
+    named = forced is not None and body.tool_choice != "required"
+    return ChatCall(state, body, [ids], params, body.top_logprobs or 0, reading, named_call=named)
 
 
 def raise_for_finish(completions: list[Completion | None]) -> None:

@@ -21,13 +21,19 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 KINDS = ("json", "regex", "choice", "grammar")
 
 
-def constraint_fields(body, state) -> dict[str, Any]:
-    """SamplingParams keyword arguments for the request's constraints (only those it gave)."""
+def constraint_fields(body, state, forced_call: StructuredOutput | None = None) -> dict[str, Any]:
+    """SamplingParams keyword arguments for the request's constraints (only those it gave); `forced_call`: the
+    schema of a tool call that `tool_choice` forces, which takes the place of a structured output."""
     fields: dict[str, Any] = {}
     for name in ("logit_bias", "min_tokens", "bad_words"):
         if getattr(body, name, None) is not None:
             fields[name] = getattr(body, name)
     spec = structured_output(body)
+    if forced_call is not None:
+        if spec is not None:
+            raise bad_request("'tool_choice' forces a tool call, which is decoded under the call's own schema; leave "
+                              f"out '{spec[1].split('.')[0]}' or set tool_choice to \"auto\"", "tool_choice")
+        spec = forced_call, "tools"
     if spec is not None:
         spec, param = spec
         engine = state.engine

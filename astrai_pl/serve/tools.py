@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import secrets
 
+from ..inference import GrammarError, StructuredOutput
 from .errors import bad_request
 from .protocol import CHAT_ROLES, chat_messages
 
@@ -46,10 +47,12 @@ def check_tools(body, parser: str | None) -> list[dict] | None:
         raise bad_request("'functions' is OpenAI's deprecated form; send 'tools' with {\"type\": \"function\"}",
                           "functions")
     choice = body.tool_choice
-    if choice is not None and choice not in ("none", "auto"):
-        raise bad_request("'tool_choice' \"required\" or a named function needs constrained decoding, which this "
-                          "server does not have yet; use \"auto\" (or \"none\")", "tool_choice")
+    if choice is not None and choice not in ("none", "auto", "required") and forced_name(choice) is None:
+        raise bad_request("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                          "\"function\": {\"name\": NAME}}", "tool_choice")
     if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("'tool_choice' forces a tool call, and the request has no 'tools'", "tool_choice")
         return None
     if len(body.tools) > MAX_TOOLS:
         raise bad_request(f"'tools' holds {len(body.tools)} tools, the server takes at most {MAX_TOOLS}", "tools")
@@ -58,6 +61,33 @@ def check_tools(body, parser: str | None) -> list[dict] | None:
         raise bad_request("this model's chat template writes no tool calls the server can read; serve it with "
                           f"--tool-call-parser ({' or '.join(PARSERS)})", "tools")
     return None if choice == "none" else tools
+
+
+def forced_name(choice) -> str | None:
+    """The function a `tool_choice` object names ({"type": "function", "function": {"name": NAME}}), else None."""
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
+def forced_call(choice, tools: list[dict] | None) -> StructuredOutput | None:
+    """For `tool_choice` "required" or a named function: the JSON schema the reply is decoded under, one call
+    {"name": NAME, "arguments": {...}} of a listed tool with arguments following its `parameters`; None when the
+    model chooses (auto) or calls nothing."""
+    if not tools or choice in (None, "none", "auto"):
+        return None
+    name = None if choice == "required" else forced_name(choice)
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not chosen:
+        raise bad_request(f"'tool_choice' names the function {name[:64]!r}, which 'tools' does not list",
+                          "tool_choice.function.name")
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
+             for f in chosen]
+    try:
+        return StructuredOutput(json=calls[0] if len(calls) == 1 else {"anyOf": calls})
+    except GrammarError as err:
+        raise bad_request(f"'tools': {err}", "tools") from None
 
 
 def _checked_tool(tool, where: str) -> dict:

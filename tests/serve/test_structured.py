@@ -34,8 +34,9 @@ USER = [{"role": "user", "content": "Describe a record."}]
 @pytest.fixture(scope="module")
 def client():
     torch.manual_seed(0)
-    tokenizer = Tokenizer.byte_level()
-    engine = Engine(Transformer(ModelConfig.from_name("debug")).eval(), tokenizer, max_total_tokens=8192)
+    tokenizer = Tokenizer.byte_level()  # a context for the template's tool preamble, which is long in bytes
+    model = Transformer(ModelConfig.from_name("debug", max_position_embeddings=2048)).eval()
+    engine = Engine(model, tokenizer, max_total_tokens=16384)
     with running(ServerState(engine, tokenizer, MODEL)) as base:
         with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0) as c:
             yield c
@@ -144,3 +145,62 @@ def test_chat_takes_stop_token_ids(client):
     reply = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=20, logit_bias={str(stop): 100},
                                            extra_body={"stop_token_ids": [stop]})
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == 1
+
+
+WEATHER = {"type": "function", "function": {"name": "wx", "parameters": {
+    "type": "object", "properties": {"d": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["d"]}}}
+TIME = {"type": "function", "function": {"name": "tz", "parameters": {
+    "type": "object", "properties": {"z": {"enum": ["UTC", "CET"]}}, "required": ["z"]}}}
+TOOLS = {"wx": WEATHER, "tz": TIME}
+ASK = [{"role": "user", "content": "Hi"}]
+
+
+def called(choice) -> list[tuple[str, dict]]:
+    out = []
+    for call in choice.message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        tool = TOOLS[call.function.name]
+        jsonschema.validate(arguments, tool["function"]["parameters"])
+        out.append((call.function.name, arguments))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_a_named_tool_choice_always_gives_a_valid_call_of_that_function(client, seed):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, TIME], n=8, seed=seed, max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": "wx"}})
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop" and choice.message.content is None  # OpenAI's for a forced call
+        assert [name for name, _ in called(choice)] == ["wx"]
+
+
+def test_required_gives_a_valid_call_of_one_of_the_tools_streamed_too(client):
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], n=8, seed=3,
+                                           max_tokens=200, tool_choice="required")
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and len(called(choice)) == 1
+    pieces, finish = {}, None
+    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], seed=3,
+                                                max_tokens=200, tool_choice="required", stream=True):
+        for call in chunk.choices[0].delta.tool_calls or []:
+            entry = pieces.setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and len(pieces) == 1
+    name, arguments = pieces[0]["name"], json.loads(pieces[0]["arguments"])
+    jsonschema.validate(arguments, TOOLS[name]["function"]["parameters"])
+
+
+def test_forced_tool_choices_that_cannot_be_met_are_400s_naming_the_field(client):
+    cases = [({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+              "tool_choice.function.name"),
+             ({"tool_choice": "required"}, "tool_choice"),
+             ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+              "tool_choice"),
+             ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice")]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body=extra)
+        assert caught.value.body["param"] == param, extra

@@ -130,13 +130,13 @@ def test_the_tools_and_tool_messages_reach_the_chat_template(tokenizer):
     assert "<tools>" in text and '"city": "Paris"' in text
 
 
-def test_bad_tools_and_unsupported_choices_are_refused_naming_the_field(client):
+def test_bad_tools_and_choices_are_refused_naming_the_field(client):
     user = [{"role": "user", "content": "Hi"}]
     cases = [({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
              ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
-             ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
-             ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-              "tool_choice")]
+             ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+             ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+              "tool_choice.function.name")]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model="debug-chat", messages=user, max_tokens=2, extra_body=extra)
