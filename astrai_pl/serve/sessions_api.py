@@ -44,7 +44,8 @@ from .bodies import parse_body
 from .errors import APIError, bad_request
 from .generation import Generation, _engine_error, generate, read_json
 from .lora_models import adapter_name
-from .protocol import chat_call, chat_messages, templated_ids
+from .messages import chat_messages
+from .protocol import chat_call, templated_ids
 from .state import join_salts
 from .state_api import is_upload, state_routes, upload
 

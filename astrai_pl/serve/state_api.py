@@ -52,7 +52,7 @@ from ..inference.sessions import SessionError
 from .bodies import parse_body
 from .errors import APIError, bad_request
 from .generation import MAX_BODY_BYTES, read_bytes, read_json
-from .protocol import chat_messages
+from .messages import chat_messages
 from .state import join_salts
 
 FILE_TYPES = ("application/octet-stream", "application/vnd.safetensors")

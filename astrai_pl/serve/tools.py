@@ -20,7 +20,7 @@ import secrets
 
 from ..inference import GrammarError, StructuredOutput
 from .errors import bad_request
-from .protocol import CHAT_ROLES, chat_messages
+from .messages import CHAT_ROLES, chat_messages
 
 PARSERS = ("hermes", "llama3_json")
 OPEN, CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
