@@ -25,7 +25,10 @@ def _run_time_choice():
 
 @pytest.fixture
 def flex_backward_on_cpu(monkeypatch):
-    """torch refuses FlexAttention's backward on CPU by a device check; lifted, its reference backward runs."""
+    """torch refuses FlexAttention's backward on CPU by a device check; lifted, its reference backward runs. Dynamo
+    starts afresh: after other flex calls in the process (the paged prefill's tests) it traces this one with dynamic
+    shapes, and torch 2.13 cannot trace a soft-capping score_mod's backward that way (an unbacked symbol)."""
+    torch._dynamo.reset()
     monkeypatch.setattr(torch_flex, "_validate_device", lambda *tensors: None)
     monkeypatch.setattr(packed, "flex_has_backward", lambda device: True)
 
