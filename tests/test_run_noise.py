@@ -148,7 +148,9 @@ def test_the_run_directorys_csv_logger_keeps_quiet_about_its_files(tmp_path, mon
         warnings.warn(f"Experiment logs directory {tmp_path} exists and is not empty.", stacklevel=1)
     assert [str(w.message).split(" exists")[0] for w in caught if "not empty" in str(w.message)] == [
         f"Experiment logs directory {tmp_path}"]  # another directory's warning still shows
-    assert isinstance(cli.trainer.progress_bar_callback, StepProgressBar)
+    # the CLI's own progress display: output captured by pytest is no terminal, so plain lines, the bar off
+    assert cli.trainer.progress_bar_callback is None
+    assert [type(c) for c in cli.trainer.callbacks].count(ProgressLines) == 1
 
 
 def test_the_filters_drop_the_known_messages_and_keep_others(monkeypatch):
