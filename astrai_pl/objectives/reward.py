@@ -29,6 +29,7 @@ from ..atomic import remove_path, replace_path
 from ..checkpoint import CheckpointError, read_checkpoint
 from ..model import Transformer
 from ..model.config import ConfigError
+from ..model.export_manifest import MANIFEST, ExportConflictError, write_manifest, written_by_export
 from ..model.hf_config import ARCHITECTURES, ExportError
 from ..model.lora import merge_lora
 from .options import check_reward_options
@@ -113,11 +114,12 @@ class RewardModel(PairObjective):
         module.load_state_dict(ckpt["state_dict"], strict=not adapter_only)
         return module.eval()
 
-    def save_pretrained(self, path: str | Path, tokenizer: Any = None) -> None:
+    def save_pretrained(self, path: str | Path, tokenizer: Any = None, overwrite: bool = False) -> None:
         """Write a Hugging Face sequence-classification directory (num_labels=1, the head as `score.weight`) and,
         if given (default: the objective's), the tokenizer's files; a LoRA adapter is merged into the copy
-        written. Call on an unsharded model (e.g. one loaded from a checkpoint)."""
-        save_reward_model(self.model, path, tokenizer if tokenizer is not None else self.tokenizer)
+        written. Call on an unsharded model (e.g. one loaded from a checkpoint). A folder holding files no export
+        wrote is refused unless `overwrite` (which replaces the folder whole)."""
+        save_reward_model(self.model, path, tokenizer if tokenizer is not None else self.tokenizer, overwrite)
 
 
 def _sequence_classifier(model_type: str) -> str:
@@ -128,20 +130,22 @@ def _sequence_classifier(model_type: str) -> str:
     return causal.removesuffix("ForCausalLM") + "ForSequenceClassification"
 
 
-def save_reward_model(model: Transformer, path: str | Path, tokenizer: Any = None) -> None:
+def save_reward_model(model: Transformer, path: str | Path, tokenizer: Any = None, overwrite: bool = False) -> None:
     """`model` (its lm_head a (1, hidden) score head) as a Hugging Face sequence-classification directory.
 
     The causal export (`save_pretrained`) is written beside the target first, its output layer renamed `score`
     and its config.json made a classifier's; then it replaces the target in one move (atomic.replace_path), so
-    the target is never half written.
+    the target is never half written. The whole folder is replaced, so a target holding files no export wrote
+    is refused (ExportConflictError) before anything is written, unless `overwrite`.
     """
+    target = Path(path)
+    _check_replaceable(target, overwrite)
     cfg = dataclasses.replace(model.config, tie_word_embeddings=False)  # the head never shares the embedding
     architecture = _sequence_classifier(cfg.model_type)
     plain = copy.deepcopy(model)
     if plain.lora_config is not None:
         merge_lora(plain)
     plain.config = cfg
-    target = Path(path)
     staging = target.with_name(f".{target.name}.causal")
     remove_path(staging)
     plain.save_pretrained(staging, tokenizer=tokenizer)
@@ -160,4 +164,16 @@ def save_reward_model(model: Transformer, path: str | Path, tokenizer: Any = Non
     config.update(architectures=[architecture], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
                   pad_token_id=pad if pad is not None else config.get("pad_token_id"))
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_manifest(staging, [entry.name for entry in staging.iterdir() if entry.is_file()])  # as renamed above
     replace_path(staging, target)
+
+
+def _check_replaceable(target: Path, overwrite: bool) -> None:
+    if overwrite or not target.is_dir():
+        return
+    foreign = sorted({entry.name for entry in target.iterdir()} - written_by_export(target) - {MANIFEST})
+    if foreign:
+        raise ExportConflictError(
+            f"{target}: holds {', '.join(foreign[:5])}{' and more' if len(foreign) > 5 else ''}, which no export "
+            "wrote, and a reward model replaces its folder whole; nothing was written. Fix: save into an empty or "
+            "new folder, or pass overwrite=True to replace the folder and everything in it.")

@@ -88,3 +88,23 @@ def test_an_adapter_export_keeps_the_folders_other_files(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")  # the user's now
     with pytest.raises(ExportConflictError, match="adapter_config.json"):
         model.save_pretrained(tmp_path)
+
+
+def test_a_reward_model_never_replaces_a_folder_holding_files_no_export_wrote(tmp_path):
+    from astrai_pl.objectives import RewardModel
+
+    module = RewardModel(arch=ModelConfig.from_name("debug"))
+    target = tmp_path / "rm"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(ExportConflictError, match="notes.txt.*overwrite=True"):
+        module.save_pretrained(target)
+    assert sorted(p.name for p in target.iterdir()) == ["notes.txt"]  # nothing was written, nothing removed
+    (target / "notes.txt").unlink()
+    module.save_pretrained(target)
+    module.save_pretrained(target)  # its own export again: every file is one an export wrote, as renamed
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(ExportConflictError):
+        module.save_pretrained(target)
+    module.save_pretrained(target, overwrite=True)
+    assert not (target / "notes.txt").exists() and (target / "config.json").is_file()
