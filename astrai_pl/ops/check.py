@@ -12,8 +12,9 @@ is missing.
 
 A step that passed is not compiled again: its object file is kept in `ASTRAI_CACHE_DIR` (default
 `~/.cache/astrai_pl`, as the CPU kernels) under `cuda-check/`, named by a hash of its command, its source, every
-header in cuda/ and the compiler's version, so only a changed source, header, flag or toolkit rebuilds (a
-failed step is never kept). `--no-cache` compiles everything.
+header in cuda/, torch's and the compiler's versions, so only a changed source, header, flag or toolkit rebuilds
+(a failed step is never kept); the checkout's and the Python environment's folders are left out of the hash, so
+a fresh clone of the same sources compiles nothing again. `--no-cache` compiles everything.
 """
 
 from __future__ import annotations
@@ -81,10 +82,17 @@ def torch_version() -> str:
 
 
 def step_key(command: list[str], source: Path, output: Path, version: str) -> str:
-    """The hash that names a step's cached object: its command (the temporary output path left out), the
-    source, every header beside it and the compiler's version."""
+    """The hash that names a step's cached object: its command (the temporary output path left out, and the
+    checkout's and the Python environment's folders named by role, so another clone or virtual environment of
+    the same sources and torch finds it), torch's version, the source, every header beside it and the
+    compiler's version."""
+    import torch
+
+    places = ((str(source.parent.parent), "<checkout>"), (sys.prefix, "<prefix>"))
     digest = hashlib.sha256()
-    for part in (*(arg for arg in command if arg != str(output)), version):
+    for part in (*(arg for arg in command if arg != str(output)), version, torch.__version__):
+        for place, role in places:
+            part = part.replace(place, role)
         digest.update(part.encode() + b"\0")
     for file in [source, *sorted(p for p in source.parent.iterdir() if p.suffix in (".h", ".cuh", ".hpp"))]:
         digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")

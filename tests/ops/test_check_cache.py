@@ -62,3 +62,16 @@ def test_the_key_follows_source_headers_flags_and_compiler_but_not_the_output_pa
     header.write_text("v1")
     source.write_text("kernel 2")
     assert key() != first
+
+
+def test_another_clone_of_the_same_sources_finds_the_key(tmp_path):
+    keys = []
+    for clone in ("one", "two"):
+        cuda = tmp_path / clone / "cuda"
+        cuda.mkdir(parents=True)
+        (cuda / "k.cu").write_text("kernel")
+        (cuda / "common.cuh").write_text("v1")
+        source, output = cuda / "k.cu", tmp_path / clone / "k.o"
+        command = ["nvcc", f"-I{cuda}", f"-I{sys.prefix}/include", "-o", str(output), str(source)]
+        keys.append(check.step_key(command, source, output, "13.0"))
+    assert keys[0] == keys[1]  # `make test` in a fresh clone does not compile the kernels again
