@@ -243,6 +243,7 @@ def test_datasets_bars_are_off_for_output_that_is_not_a_terminal(monkeypatch):
     monkeypatch.setattr(bars, "_hf_datasets_progress_bars_disabled", False)
     env = warning_filters.DATASETS_BARS_ENV
     monkeypatch.delenv(env, raising=False)
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)  # not a Jupyter kernel (the notebook tests import it)
     assert not warning_filters.library_bars_off_unless_terminal(_Stream(terminal=True)) and env not in os.environ
     assert not bars.are_progress_bars_disabled()
     assert warning_filters.library_bars_off_unless_terminal(_Stream(terminal=False))
