@@ -96,7 +96,7 @@ def test_two_uneven_ranks_give_the_gradients_of_one_process_on_both_batches(tmp_
                                 for rows in ROWS.values()) / WORLD for name in OBJECTIVES}
     while not context.join():  # raises if a rank failed (gloo: 60 s)
         pass
-    got = torch.load(tmp_path / "rank0.pt")
+    got = torch.load(tmp_path / "rank0.pt", weights_only=True)
     assert got["counts"] == (3, 2, pytest.approx(2 * 1 / 3))
     for name in OBJECTIVES:
         torch.testing.assert_close(got[name], single[name], rtol=1e-4, atol=1e-6, msg=name)
