@@ -31,6 +31,7 @@ from .decode_graphs import graphs_wanted, record_decode_graphs, reserve_bytes
 from .handle import Outbox, RequestHandle
 from .loop import BackgroundLoop
 from .pool import EngineConfigError, PoolUsage, build_pool, default_total_tokens, positive
+from .reader import ReaderSteps, TextReader
 from .recovery import StepRecovery
 from .recurrent.runner import build_recurrent, is_recurrent
 from .request import Completion, Delta, Request, end_ids, is_sample_of
@@ -45,7 +46,7 @@ __all__ = ["Engine", "EngineConfigError", "EngineStats", "Prompt"]
 Pick = tuple[Request, int, float | None, Alternatives | None]  # a sampled token, its logprob and alternatives
 
 
-class Engine(StepRecovery, SpeculativeSteps):
+class Engine(StepRecovery, SpeculativeSteps, ReaderSteps):
     def __init__(
         self,
         model,
@@ -93,7 +94,8 @@ class Engine(StepRecovery, SpeculativeSteps):
             "max_step_tokens", (8192 if gpu else 1024) if max_step_tokens is None else max_step_tokens
         )
         graphs = graphs_wanted(cuda_graphs, model, self.device, contiguous)  # False, logged, for RWKV
-        if is_recurrent(model):  # RWKV: a state slot per request instead of K/V pages (recurrent/runner.py)
+        self._recurrent = is_recurrent(model)
+        if self._recurrent:  # RWKV: a state slot per request instead of K/V pages (recurrent/runner.py)
             self.pool, self.max_context, self.scheduler, self.runner = build_recurrent(
                 model, self.device, self.dtype, page_size, max_total_tokens, max_batch_size, max_step_tokens,
                 prefix_cache, contiguous,
@@ -120,6 +122,7 @@ class Engine(StepRecovery, SpeculativeSteps):
         )
         self._requests: dict[str, Request] = {}
         self._outbox = Outbox()
+        self._step_reader = TextReader(tokenizer, self._settle)  # the text of what step() returns
         self._ended: list[Request] = []  # groups whose last sample finished in this step
         self._ids = count()
         self._counts = dict(steps=0, prefill_tokens=0, decode_tokens=0, cached_tokens=0, forks=0,
@@ -254,9 +257,11 @@ class Engine(StepRecovery, SpeculativeSteps):
         A failure while computing or sampling fails only the requests it concerns: the step is run again
         one request at a time; one failing alone ends with finish_reason "error" and gives its pages back.
         """
-        with self.lock:
-            self._advance()
-            return self._outbox.take_stepped()
+        with self._step_reader.lock:  # the text is made after the step, by its caller (reader.py)
+            with self.lock:
+                self._advance()
+                raw = self._outbox.take_stepped()
+            return [d for d in map(self._step_reader.read, raw) if d is not None]
 
     def drive(self) -> None:
         """Step once for a caller waiting on a handle, unless the background loop does the stepping.
@@ -323,10 +328,12 @@ class Engine(StepRecovery, SpeculativeSteps):
 
     def _queue(self, req: Request, keep_deltas: bool | None) -> RequestHandle | None:
         """Track and queue `req`; its handle (None for `add_request`: its deltas go to `step()`)."""
-        handle = None if keep_deltas is None else RequestHandle(req.id, self, keep_deltas)
+        reader = None if keep_deltas is None else TextReader(self.tokenizer, self._settle)
+        handle = None if keep_deltas is None else RequestHandle(req.id, self, keep_deltas, reader)
         req.defer_text = keep_deltas is False and not req.params.stop  # text decoded once, at the end
         self._requests[req.id] = req
         self._outbox.open(req.id, handle)
+        self._read_outside(req)  # otherwise its reader makes its text (reader.py)
         self.scheduler.add(req)
         self._loop.notify()
         return handle
@@ -434,9 +441,11 @@ class Engine(StepRecovery, SpeculativeSteps):
         """Samples 1..n-1 of a prompt: full pages shared, the partial page copied; they sample now."""
         clones = []
         while parent.forks_left:
-            clone = parent.fork(text_stream(self.tokenizer, parent.params), self.device)
+            clone = parent.fork(None if parent.stream is None else text_stream(self.tokenizer, parent.params),
+                                self.device)
             self._requests[clone.id] = clone
             self._outbox.follow(parent.id, clone.id)
+            self._read_outside(clone)
             if self.scheduler.add_fork(parent, clone):
                 self._counts["forks"] += 1
                 clones.append(clone)
@@ -449,7 +458,9 @@ class Engine(StepRecovery, SpeculativeSteps):
         first = len(req.tokens) == req.num_prompt + 1
         prompt_logprobs = list(req.prompt_logprobs) if first and req.prompt_logprobs is not None else None
         completion = None
-        if reason is not None:
+        if reason is not None and req.awaits_reader:
+            self._park(req, reason)  # its reader settles it (reader.py)
+        elif reason is not None:
             self._finish(req, reason)
             completion = req.completion()
         return Delta(req.id, text, [token], reason, completion, logprobs, tops, prompt_logprobs)
@@ -474,11 +485,11 @@ class Engine(StepRecovery, SpeculativeSteps):
         """Recount the pool: free + evictable + in use == total, no page or row owned twice, tables right;
         every tracked request queued or running, every open handle and step() id one of a tracked request."""
         with self.lock:
-            held = [s.pages for s in self.sessions.values()]
+            held = [s.pages for s in self.sessions.values()] + [r.pages for r in self._parked()]
             if getattr(self.runner, "graphs", None) is not None:
                 held.append(self.runner.graphs.pages)  # the padding rows' page
             usage = self.scheduler.check(held, self.sessions.values())
-            scheduled = {r.id for r in (*self.scheduler.waiting, *self.scheduler.running)}
+            scheduled = {r.id for r in (*self.scheduler.waiting, *self.scheduler.running, *self._parked())}
             assert scheduled == set(self._requests), (
                 f"tracked {sorted(self._requests)}, scheduled {sorted(scheduled)}"
             )

@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 
+from .reader import TextReader
 from .request import Completion, Delta, RequestError, is_sample_of
 
 
@@ -22,10 +23,13 @@ class RequestHandle:
     whatever engine-wide error ended the request; `abort()` stops it from any thread.
     """
 
-    def __init__(self, request_id: str, engine, keep_deltas: bool = True):
+    def __init__(self, request_id: str, engine, keep_deltas: bool = True, reader: TextReader | None = None):
         self.id, self._engine, self._keep = request_id, engine, keep_deltas
+        # makes the text of the deltas as they are read, on the reader's thread (reader.py)
+        self.reader = reader if reader is not None else TextReader(None, None)
         self._cond = threading.Condition()
-        self._deltas: deque[Delta] = deque()
+        self._deltas: deque[Delta] = deque()  # as the step made them (their ids)
+        self._texted: deque[Delta] = deque()  # read: their text made, cut at a stop string
         self._completions: list[Completion] = []
         self._error: BaseException | None = None
         self._closed = False
@@ -34,7 +38,7 @@ class RequestHandle:
     # -- the engine's side (under the engine's lock) --------------------------------------------------------
     def put(self, delta: Delta) -> None:
         with self._cond:
-            if self._keep or delta.finish_reason is not None:
+            if self._keep or delta.finish_reason is not None or delta.request_id in self.reader:
                 self._deltas.append(delta)
             self.wake()
 
@@ -42,6 +46,7 @@ class RequestHandle:
         """Forget the deltas not read yet (the request was aborted)."""
         with self._cond:
             self._deltas.clear()
+            self._texted.clear()
 
     def close(self, completions: list[Completion], error: BaseException | None = None) -> None:
         """Every sample ended (`completions`, in index order), or an engine-wide `error` ended them."""
@@ -69,27 +74,51 @@ class RequestHandle:
         """Stop the request and its samples now, from any thread; deltas not read yet are dropped."""
         self._engine.abort(self.id)
 
-    def _ready(self, check: bool) -> Delta | None:
-        """Under the lock, with a delta kept or the handle closed: the next delta, or None at the end."""
-        if self._deltas:
-            delta = self._deltas.popleft()
-            if check and delta.finish_reason == "error":
-                raise RequestError(delta.request_id, delta.completion.error)
-            return delta
+    def _read_kept(self) -> None:
+        """Under the reader's lock: make the text of every delta kept so far (reader.py), off the step."""
+        while True:
+            with self._cond:
+                if not self._deltas:
+                    return
+                raw = self._deltas.popleft()
+            delta = self.reader.read(raw)
+            if delta is not None:
+                self._texted.append(delta)
+
+    def _take(self, check: bool) -> Delta | None:
+        """Under the reader's lock: the next delta read, if any (RequestError at a failed sample's)."""
+        try:
+            delta = self._texted.popleft()
+        except IndexError:  # none, or an abort dropped them
+            return None
+        if check and delta.finish_reason == "error":
+            raise RequestError(delta.request_id, delta.completion.error)
+        return delta
+
+    def _ended(self) -> bool:
+        """Under the condition: every sample ended and every delta was taken (or the error that ended them raises)."""
+        if self._deltas or not self._closed:
+            return False
         if self._error is not None:
             raise self._error
-        return None
+        return True
 
     def _next(self, check: bool = True) -> Delta | None:
         """The next delta, None at the end; waits for the engine's loop, or steps the engine when none runs."""
-        while True:
-            with self._cond:
-                if self._deltas or self._closed:
-                    return self._ready(check)
-                if self._engine.running:
-                    self._cond.wait()
-                    continue
-            self._engine.drive()
+        with self.reader.lock:
+            while True:
+                self._read_kept()
+                if (delta := self._take(check)) is not None:
+                    return delta
+                with self._cond:
+                    if self._ended():
+                        return None
+                    if self._deltas:
+                        continue
+                    if self._engine.running:
+                        self._cond.wait()
+                        continue
+                self._engine.drive()
 
     def __iter__(self) -> Iterator[Delta]:
         while (delta := self._next()) is not None:
@@ -110,7 +139,8 @@ class RequestHandle:
         failed = next((c for c in self._completions if c.error is not None), None)
         if failed is not None:
             raise RequestError(failed.request_id, failed.error)
-        return list(self._completions)
+        with self.reader.lock:
+            return [self.reader.fill(c) for c in self._completions]
 
     def __aiter__(self) -> RequestHandle:
         return self
@@ -118,18 +148,21 @@ class RequestHandle:
     async def __anext__(self) -> Delta:
         while True:
             future = None
-            with self._cond:
-                if self._deltas or self._closed:
-                    delta = self._ready(check=True)
-                    if delta is None:
-                        raise StopAsyncIteration
+            with self.reader.lock:
+                self._read_kept()
+                if (delta := self._take(check=True)) is not None:
                     if delta.token_ids or delta.finish_reason:
                         return delta
                     continue
-                if self._engine.running:
-                    loop = asyncio.get_running_loop()
-                    future = loop.create_future()
-                    self._waiters.append((loop, future))
+                with self._cond:
+                    if self._ended():
+                        raise StopAsyncIteration
+                    if self._deltas:
+                        continue
+                    if self._engine.running:
+                        loop = asyncio.get_running_loop()
+                        future = loop.create_future()
+                        self._waiters.append((loop, future))
             if future is not None:
                 await future
             else:  # no loop runs: step the engine off the event loop's thread

@@ -70,7 +70,7 @@ class StepRecovery:
     def _step_or_fail(self) -> None:
         if self.scheduler.idle:
             raise InferenceError("no request is queued or running")
-        if not self._advance():
+        if not self._advance() and not (self._read_parked() and self._advance()):  # reader.py
             pinned = sum(len(s.pages) for s in self.sessions.values())
             err = CapacityError(
                 f"the request does not fit in the pool beside what sessions pin ({self.pool.usage()}; sessions "

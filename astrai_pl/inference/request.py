@@ -127,6 +127,10 @@ class Request:
         # nobody reads this request's text before it ends (generate, rollouts) and no stop string needs it: its
         # ids are decoded once at the end instead of at every step (TextStream.add)
         self.defer_text = False
+        # its text is made by its reader (reader.py), and it has stop strings: at its own end it parks (`parked`
+        # holds why it ended) until the reader has looked for them
+        self.awaits_reader = False
+        self.parked: str | None = None
         self.constraint: RowConstraint | None = None  # bias, masks and grammar state the sampler applies
 
     @property
@@ -167,7 +171,7 @@ class Request:
         clone.started, clone.cached_tokens, clone.group = True, clone.num_prompt, self.group
         clone.kv_from_file = self.kv_from_file  # it starts on a copy of this request's pages
         clone.prompt_logprobs = self.prompt_logprobs  # computed once, by this request's prefill
-        clone.defer_text = self.defer_text
+        clone.defer_text, clone.awaits_reader = self.defer_text, self.awaits_reader
         clone.constraint = None if self.constraint is None else self.constraint.fork()
         self.group.append(clone)
         return clone
