@@ -28,7 +28,7 @@ from ..model.layers import long_rope_after
 from .adapters import bind_adapter
 from .admission import Prompt, is_single_prompt, new_request, params_per_prompt, text_stream
 from .decode_graphs import graphs_wanted, record_decode_graphs, reserve_bytes
-from .handle import Outbox, RequestHandle
+from .handle import Outbox, RequestHandle, wait_all
 from .loop import BackgroundLoop
 from .pool import EngineConfigError, PoolUsage, build_pool, default_total_tokens, positive
 from .reader import ReaderSteps, TextReader
@@ -164,8 +164,7 @@ class Engine(StepRecovery, SpeculativeSteps, ReaderSteps):
             requests = [self._request(p, sp) for p, sp in zip(prompts, params)]
             handles = [self._queue(req, keep_deltas=False) for req in requests]
         try:
-            for handle in handles:
-                handle.wait()
+            wait_all(handles)  # each read as it fills: a stop string cuts its request one step later
         except BaseException:
             for handle in handles:
                 self.abort(handle.id)

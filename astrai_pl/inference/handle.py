@@ -103,6 +103,20 @@ class RequestHandle:
             raise self._error
         return True
 
+    def _all_kept_read(self) -> bool:
+        with self._cond:
+            return self._closed and not self._deltas
+
+    def _await_more(self) -> None:
+        """Until a delta is kept or the request ended: waits for the engine's loop, or steps it once."""
+        with self._cond:
+            if self._deltas or self._closed:
+                return
+            if self._engine.running:
+                self._cond.wait()
+                return
+        self._engine.drive()
+
     def _next(self, check: bool = True) -> Delta | None:
         """The next delta, None at the end; waits for the engine's loop, or steps the engine when none runs."""
         with self.reader.lock:
@@ -173,6 +187,20 @@ class RequestHandle:
         async for _ in _ignoring_failures(self):
             pass
         return self._checked_completions()
+
+
+def wait_all(handles: list[RequestHandle]) -> None:
+    """Wait until every handle's request ended, reading each handle's deltas as they come rather than one handle
+    after the other: a request with stop strings is cut and released one step after its stop, not left to run on
+    and park until its turn to be read (reader.py)."""
+    pending = list(handles)
+    while pending:
+        for handle in pending:
+            with handle.reader.lock:
+                handle._read_kept()
+        pending = [h for h in pending if not h._all_kept_read()]
+        if pending:
+            pending[0]._await_more()
 
 
 async def _ignoring_failures(handle: RequestHandle):

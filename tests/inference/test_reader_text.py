@@ -140,6 +140,21 @@ def test_n_samples_sessions_and_step_callers(model, tok, random_prompts):
     assert engine.check().in_use == 0
 
 
+def test_generate_reads_every_prompt_as_it_comes(model, tok, random_prompts):
+    """Each prompt's request is cut in the step after its stop, whichever handle generate is waiting on."""
+    prompts = random_prompts([9, 11, 13], seed=4, vocab=250)
+    engine = Engine(model, tok, max_total_tokens=4096, debug=True)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    frees = engine.generate(prompts, greedy)
+    params = [replace(greedy, stop=[f.text[i : i + 2]]) for f, i in zip(frees, (12, 3, 6))]
+    before = engine.stats.decode_tokens
+    outs = engine.generate(prompts, params)
+    for f, p, out in zip(frees, params, outs):
+        deltas, text, _ = reference(tok, f.token_ids, p.stop)
+        assert (out.text, len(out.token_ids)) == (text, len(deltas))
+    assert engine.stats.decode_tokens - before == sum(len(out.token_ids) - 1 for out in outs)  # none ran on
+
+
 def test_speculative_steps_past_a_stop_are_cut(tok):
     copying, cycle = copying_model(ModelConfig.from_name("debug"), mix=0.25)
     prompt = cycle[:40] + cycle[:2]  # the output quotes the prompt: drafts are proposed and accepted
