@@ -22,30 +22,14 @@ falls back to sdpa with one log line.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from ..ops.choice import Choice
+
 BACKENDS = ("sdpa", "flex", "varlen")
-_forced: str | None = None
 _logged: set[str] = set()
-log = logging.getLogger(__name__)
-
-
-def log_fallback(what: str, reason: str) -> None:
-    """One log line per process and fallback."""
-    if what not in _logged:
-        _logged.add(what)
-        log.info("astrai_pl: %s falls back (%s)", what, reason)
-
-
-def override_packed_attention(name: str | None) -> None:
-    """Force the kernel of packed rows ("sdpa", "flex", "varlen"), or None for the run-time choice."""
-    global _forced
-    if name is not None and name not in BACKENDS:
-        raise ValueError(f"packed attention backend {name!r}: choose one of {', '.join(BACKENDS)}, or None")
-    _forced = name
 
 
 @functools.cache
@@ -69,20 +53,26 @@ def flex_has_backward(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def _varlen_why_not(device: torch.device, dtype: torch.dtype, needs_grad: bool) -> str | None:
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and flash_varlen_available():
+        return None
+    return "flash-attn needs CUDA, bf16/fp16 and the `flash` extra"
+
+
+def _flex_why_not(device: torch.device, dtype: torch.dtype, needs_grad: bool) -> str | None:
+    return "FlexAttention has no backward on CPU" if needs_grad and not flex_has_backward(device) else None
+
+
+_CHOICE = Choice("packed attention backend", {"sdpa": None, "flex": _flex_why_not, "varlen": _varlen_why_not},
+                 {"cuda": ("varlen", "flex"), "*": ("sdpa",)}, logged=lambda: _logged,
+                 labels={"flex": "packed attention flex → sdpa", "varlen": "packed attention varlen"})  # fmt: skip
+log_fallback = _CHOICE.log_once  # (what, reason): one log line per process and fallback
+override_packed_attention = _CHOICE.force  # force "sdpa", "flex" or "varlen"; None: the run-time choice
+
+
 def packed_backend(device: torch.device, dtype: torch.dtype, needs_grad: bool) -> str:
     """The kernel packed rows take on `device` (see the module docstring); logs once where a forced one cannot run."""
-    low = dtype in (torch.bfloat16, torch.float16)
-    if _forced == "varlen" and not (device.type == "cuda" and low and flash_varlen_available()):
-        log_fallback("packed attention varlen", "flash-attn needs CUDA, bf16/fp16 and the `flash` extra")
-        return "flex" if device.type == "cuda" else "sdpa"
-    if _forced == "flex" and needs_grad and not flex_has_backward(device):
-        log_fallback("packed attention flex → sdpa", "FlexAttention has no backward on CPU")
-        return "sdpa"
-    if _forced is not None:
-        return _forced
-    if device.type != "cuda":
-        return "sdpa"
-    return "varlen" if low and flash_varlen_available() else "flex"
+    return _CHOICE.choose(device, dtype, needs_grad)
 
 
 @dataclass

@@ -15,36 +15,17 @@ Both take the page table of a `PagedBatch` (`astrai_pl.ops.prefill`) whose queri
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import importlib.util
-import logging
-import os
-from collections.abc import Iterator
-from contextvars import ContextVar
 
 import torch
 
+from .choice import Choice
 from .prefill import PagedBatch
-
-log = logging.getLogger("astrai_pl.ops")
 
 DECODE_CHOICES = ("kernel", "flashinfer", "flash")
 _PACKAGES = {"flashinfer": "flashinfer", "flash": "flash_attn"}
-_forced: ContextVar[str | None] = ContextVar("astrai_decode", default=None)
-_logged: set[str] = set()
 _WORKSPACE_BYTES = 128 * 1024**2
-
-
-@contextlib.contextmanager
-def override_decode(name: str | None) -> Iterator[None]:
-    """Use decode implementation `name` inside the block (None: back to the environment / default)."""
-    if name is not None and name not in DECODE_CHOICES:
-        raise ValueError(f"override_decode: {name!r} is not one of {', '.join(DECODE_CHOICES)}")
-    token = _forced.set(name)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
 
 
 def why_not(name: str, device: torch.device, dtype: torch.dtype, page_size: int) -> str | None:
@@ -62,18 +43,14 @@ def why_not(name: str, device: torch.device, dtype: torch.dtype, page_size: int)
     return None
 
 
+_CHOICE = Choice("decode", {name: functools.partial(why_not, name) for name in DECODE_CHOICES}, {"*": ("kernel",)},
+                 env="ASTRAI_DECODE")  # fmt: skip
+override_decode = _CHOICE.override  # `with override_decode(name):` (None: back to ASTRAI_DECODE / `kernel`)
+
+
 def decode_choice(device: torch.device, dtype: torch.dtype, page_size: int) -> str:
     """The override, else ASTRAI_DECODE, else `kernel`; a library that cannot run falls back (logged once)."""
-    name = _forced.get() or os.environ.get("ASTRAI_DECODE", "").strip().lower() or "kernel"
-    if name not in DECODE_CHOICES:
-        raise ValueError(f"ASTRAI_DECODE={name!r} is not one of {', '.join(DECODE_CHOICES)}")
-    why = why_not(name, device, dtype, page_size)
-    if why is None:
-        return name
-    if why not in _logged:
-        _logged.add(why)
-        log.info("astrai_pl.ops: decode runs our kernel instead of %s (%s)", name, why)
-    return "kernel"
+    return _CHOICE.choose(device, dtype, page_size)
 
 
 def _pages(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

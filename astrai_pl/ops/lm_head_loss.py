@@ -28,37 +28,16 @@ forced choice that cannot run falls back with one log line.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
+
+from .choice import Choice
 
 LOSS_KERNELS = ("chunked", "liger")
 ACCUMULATIONS = ("sum", "out_dtype", "upcast")
 CPU_CHUNK_ROWS = 256
 CUDA_CHUNK_BYTES = 1 << 30  # one float32 (rows, V) block
-log = logging.getLogger(__name__)
-_forced: dict[str, str | None] = {"kernel": None, "accumulation": None}
 _logged: set[str] = set()
-
-
-def _log_once(what: str, reason: str) -> None:
-    if what not in _logged:
-        _logged.add(what)
-        log.info("astrai_pl: %s falls back (%s)", what, reason)
-
-
-def override_lm_head_loss(kernel: str | None) -> None:
-    """Force the fused lm_head + loss kernel ("chunked" or "liger"), or None for the run-time choice."""
-    if kernel is not None and kernel not in LOSS_KERNELS:
-        raise ValueError(f"lm_head loss kernel {kernel!r}: choose one of {', '.join(LOSS_KERNELS)}, or None")
-    _forced["kernel"] = kernel
-
-
-def override_weight_grad_accumulation(mode: str | None) -> None:
-    """Force how the weight gradient accumulates ("sum", "out_dtype", "upcast"), or None for the run-time choice."""
-    if mode is not None and mode not in ACCUMULATIONS:
-        raise ValueError(f"weight gradient accumulation {mode!r}: choose one of {', '.join(ACCUMULATIONS)}, or None")
-    _forced["accumulation"] = mode
 
 
 def chunk_rows(device: torch.device, vocab: int) -> int:
@@ -89,18 +68,23 @@ def _liger_loss():
     return liger_fused_linear_cross_entropy
 
 
+def _liger_why_not(device: torch.device, label_smoothing: float) -> str | None:
+    if not liger_runs_on(device):
+        return "Liger-Kernel needs CUDA and the `gpu` extra"
+    if label_smoothing:
+        return "with label smoothing its unsmoothed nll metric needs the chunked kernel"
+    return None
+
+
+_KERNEL = Choice("lm_head loss", {"chunked": None, "liger": _liger_why_not}, {"*": ("chunked",)},
+                 logged=lambda: _logged)  # fmt: skip
+override_lm_head_loss = _KERNEL.force  # force "chunked" or "liger"; None: the run-time choice
+
+
 def loss_kernel(device: torch.device, label_smoothing: float) -> str:
     """The kernel a call runs: a forced "liger" where it can run, else ours (the default until a GPU run
     measures Liger's faster: `benchmarks/gpu_train.py` prints both)."""
-    if _forced["kernel"] != "liger":
-        return "chunked"
-    if not liger_runs_on(device):
-        _log_once("lm_head loss liger", "Liger-Kernel needs CUDA and the `gpu` extra")
-        return "chunked"
-    if label_smoothing:
-        _log_once("lm_head loss liger with label smoothing", "its unsmoothed nll metric needs the chunked kernel")
-        return "chunked"
-    return "liger"
+    return _KERNEL.choose(device, label_smoothing)
 
 
 def liger_cross_entropy_sum(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -123,22 +107,28 @@ def _out_dtype_works(device_index: int) -> bool:
     try:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     except (RuntimeError, TypeError) as err:
-        _log_once("lm_head loss out_dtype accumulation", f"{type(err).__name__}: {err}".splitlines()[0])
+        _ACCUMULATION.log_once("lm_head loss out_dtype accumulation", f"{type(err).__name__}: {err}".splitlines()[0])
         return False
     return bool(torch.allclose(acc, want, atol=1e-2, rtol=1e-3))
 
 
+def _out_dtype_why_not(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "out_dtype matmuls run on CUDA only"
+    if not _out_dtype_works(device.index if device.index is not None else 0):
+        return "this torch / cuBLAS does not accumulate 16-bit products into float32 in place"
+    return None
+
+
+_ACCUMULATION = Choice("weight gradient accumulation", {"sum": None, "out_dtype": _out_dtype_why_not, "upcast": None},
+                       {"cuda": ("out_dtype", "sum"), "*": ("sum",)}, stand_ins={"out_dtype": "upcast"},
+                       labels={"out_dtype": "lm_head loss out_dtype accumulation"}, logged=lambda: _logged)  # fmt: skip
+override_weight_grad_accumulation = _ACCUMULATION.force  # force "sum", "out_dtype" or "upcast"; None: run-time
+
+
 def accumulation(device: torch.device) -> str:
     """How the weight gradient accumulates on `device` (see the module docstring)."""
-    mode = _forced["accumulation"]
-    if mode == "out_dtype" and device.type != "cuda":
-        _log_once("lm_head loss out_dtype accumulation", "out_dtype matmuls run on CUDA only")
-        return "upcast"
-    if mode is not None:
-        return mode
-    if device.type == "cuda" and _out_dtype_works(device.index if device.index is not None else 0):
-        return "out_dtype"
-    return "sum"
+    return _ACCUMULATION.choose(device)
 
 
 def matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mode: str, *, add: bool) -> None:

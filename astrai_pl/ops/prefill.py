@@ -25,64 +25,42 @@ Three ways to compute it, chosen by `prefill_choice` (`ASTRAI_PREFILL=sdpa|flex|
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import logging
 import math
-import os
 import warnings
-from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("astrai_pl.ops")
+from .choice import Choice
 
 PREFILL_CHOICES = ("sdpa", "flex", "flash")
 DEFAULT_PREFILL = "sdpa"
 FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
-_forced: ContextVar[str | None] = ContextVar("astrai_prefill", default=None)
-_logged: set[str] = set()
 
 
-@contextlib.contextmanager
-def override_prefill(name: str | None) -> Iterator[None]:
-    """Use prefill implementation `name` inside the block (None: back to the environment / default)."""
-    if name is not None and name not in PREFILL_CHOICES:
-        raise ValueError(f"override_prefill: {name!r} is not one of {', '.join(PREFILL_CHOICES)}")
-    token = _forced.set(name)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
+def flash_attn_why_not(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why flash-attn cannot run on `device` in `dtype`, or None (the prefill choice and the engine's `flash`
+    attention backend both ask this)."""
+    if torch.device(device).type != "cuda":
+        return f"flash-attn runs on CUDA only, not {torch.device(device).type}"
+    if not FLASH_ATTN_AVAILABLE:
+        return "the flash_attn package is not installed (pip install 'astrai_pl[flash]')"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn needs float16 or bfloat16, not {dtype}"
+    return None
+
+
+_CHOICE = Choice("prefill", {"sdpa": None, "flex": None, "flash": flash_attn_why_not},
+                 {"*": (DEFAULT_PREFILL,)}, env="ASTRAI_PREFILL")  # fmt: skip
+override_prefill = _CHOICE.override  # `with override_prefill(name):` (None: back to ASTRAI_PREFILL / default)
 
 
 def prefill_choice(device: torch.device, dtype: torch.dtype) -> str:
     """The prefill implementation for this device and dtype: the override, ASTRAI_PREFILL, or the default;
     `flash` where flash-attn cannot run falls back to `sdpa` (logged once)."""
-    name = _forced.get() or os.environ.get("ASTRAI_PREFILL", "").strip().lower() or DEFAULT_PREFILL
-    if name not in PREFILL_CHOICES:
-        raise ValueError(f"ASTRAI_PREFILL={name!r} is not one of {', '.join(PREFILL_CHOICES)}")
-    if name == "flash":
-        why = _flash_unavailable(torch.device(device), dtype)
-        if why is not None:
-            if why not in _logged:
-                _logged.add(why)
-                log.info("astrai_pl.ops: prefill runs sdpa instead of flash (%s)", why)
-            return "sdpa"
-    return name
-
-
-def _flash_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
-    if device.type != "cuda":
-        return f"flash-attn runs on CUDA only, not {device.type}"
-    if not FLASH_ATTN_AVAILABLE:
-        return "the flash_attn package is not installed (pip install 'astrai_pl[gpu]')"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"flash-attn needs float16 or bfloat16, not {dtype}"
-    return None
+    return _CHOICE.choose(device, dtype)
 
 
 @dataclass

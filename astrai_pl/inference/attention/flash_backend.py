@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
+from ...ops.prefill import flash_attn_why_not
 from .view import FEATURES, StepView
-
-FLASH_ATTN_AVAILABLE = importlib.util.find_spec("flash_attn") is not None
 
 
 @dataclass
@@ -35,13 +33,7 @@ class FlashBackend:
     features = frozenset(FEATURES)
 
     def unavailable_reason(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        if device.type != "cuda":
-            return f"flash-attn runs on CUDA only, the engine is on {device.type}"
-        if not FLASH_ATTN_AVAILABLE:
-            return "the flash_attn package is not installed (pip install 'astrai_pl[flash]')"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"flash-attn needs float16 or bfloat16, the engine runs {dtype}"
-        return None
+        return flash_attn_why_not(device, dtype)
 
     def prepare(self, view: StepView, num_q_heads: int) -> _Ragged:
         return _ragged(view)
