@@ -2,6 +2,8 @@
 prefix snapshots, under slot pressure with preemption), state bytes constant in the context, chunked prefill,
 snapshots evicted and dropped, the shared sampler's options, and sessions' turns on states."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -315,3 +317,19 @@ def test_engine_sessions_on_rwkv_point_blending_and_editing_to_state_sessions(ex
         chat.blend(chat, 0.5)
     with pytest.raises(SessionError, match="RWKV state in the engine's pool.*StateSession.scale"):
         chat.scale("aa", 0.5)
+
+
+def test_a_snapshot_is_found_only_under_the_salt_it_was_cached_with(exported):
+    ours, hf = exported
+    eng = engine(ours)
+    [prompt] = prompts(1, 20, seed=7)  # snapshots after 8 and 16 tokens
+    salted = {name: dataclasses.replace(GREEDY, cache_salt=name) for name in ("alice", "bob")}
+    first = eng.generate([prompt], salted["alice"])[0]
+    assert first.cached_tokens == 0 and first.token_ids == hf_greedy(hf, prompt, 12)
+    assert eng.generate([prompt], salted["bob"])[0].cached_tokens == 0  # another salt: nothing to learn
+    assert eng.generate([prompt], GREEDY)[0].cached_tokens == 0  # no salt is a salt of its own
+    again = eng.generate([prompt], salted["alice"])[0]
+    assert again.cached_tokens == 16 and again.token_ids == first.token_ids  # within one salt, shared as before
+    assert eng.generate([prompt], salted["bob"])[0].cached_tokens == 16  # bob's own snapshots, made above
+    eng.reset_prefix_cache()
+    assert list(eng.pool.radix.roots) == [None]  # every salt's snapshots evicted and their trees forgotten

@@ -9,7 +9,9 @@ them as one (layers, rows, H) tensor per component; rows are of three kinds:
   tokens), kept in the radix tree (radix.py) in place of pages, so a request sharing that prefix starts
   from the snapshot of its longest cached page-aligned prefix. Snapshots are reference counted by the
   `PageAllocator` like pages: the tree holds one reference, a request snapshotting its prompt holds the
-  chain it has made (so no link of it is evicted under it); unreferenced ones go least recently used first;
+  chain it has made (so no link of it is evicted under it); unreferenced ones go least recently used first.
+  As for pages, each cache salt (`SamplingParams.cache_salt`, an adapter's) has a tree of its own, so a
+  snapshot made under one salt is never a cache hit under another;
 - held states: copies out of a slot (`hold`) for a preempted request, a waiting fork or a session between
   turns, kept by a handle in that holder's `pages` list until restored (`take`) or released.
 
@@ -214,11 +216,12 @@ class StatePool:
         return session
 
     # -- prefix snapshots -----------------------------------------------------------------------------------
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], int]:
-        """Snapshots of the longest cached page-aligned prefix of `tokens`, referenced for the caller."""
+    def match_prefix(self, tokens: list[int], salt: str | None = None) -> tuple[list[int], int]:
+        """Snapshots of the longest page-aligned prefix of `tokens` cached under `salt` (a request's
+        `cache_salt`: another salt's prompts are never found), referenced for the caller."""
         if self.radix is None:
             return [], 0
-        snaps, matched = self.radix.match(tokens)
+        snaps, matched = self.radix.match(tokens, salt)
         self.snapshots.incref(snaps)
         return snaps, matched
 
@@ -240,10 +243,10 @@ class StatePool:
             rows[:, row] = state[:, i]
         return got[0]
 
-    def cache_chain(self, tokens: list[int], chain: list[int]) -> list[int]:
-        """Insert the snapshots of tokens[:len(chain) * page_size] in the tree; the chain with each snapshot
-        the tree already held for that prefix in place of the caller's copy, which is released."""
-        cached = self.radix.insert(tokens[: len(chain) * self.page_size], chain)
+    def cache_chain(self, tokens: list[int], chain: list[int], salt: str | None = None) -> list[int]:
+        """Insert the snapshots of tokens[:len(chain) * page_size] in the tree under `salt`; the chain with each
+        snapshot the tree already held for that prefix in place of the caller's copy, which is released."""
+        cached = self.radix.insert(tokens[: len(chain) * self.page_size], chain, salt)
         for mine, theirs in zip(chain, cached):
             if mine != theirs:  # the caller now holds the tree's snapshot instead of its own
                 self.snapshots.incref([theirs])

@@ -132,7 +132,7 @@ class RecurrentScheduler(Scheduler):
         """A slot holding the snapshot of req's longest cached prefix (or the zero state); False when the
         request should wait for a running prefill of the same prefix."""
         assert req.num_computed == 0, f"{req.id} computed tokens but holds no state"
-        snaps, req.num_computed = self.pool.match_prefix(req.cacheable)
+        snaps, req.num_computed = self.pool.match_prefix(req.cacheable, req.params.cache_salt)
         if self._prefill_in_flight(req):
             self.pool.release_snapshots(snaps)
             req.num_computed = 0
@@ -155,7 +155,7 @@ class RecurrentScheduler(Scheduler):
         if self.pool.radix is None or req.prompt_cached or untrusted or req.num_computed >= snapshot_limit(req):
             return
         aligned = req.num_computed // ps * ps
-        snaps, matched = self.pool.match_prefix(req.tokens[:aligned])
+        snaps, matched = self.pool.match_prefix(req.tokens[:aligned], req.params.cache_salt)
         if matched == aligned:
             self.chains[req.id] = snaps
         else:
@@ -309,7 +309,7 @@ class RecurrentRunner(ModelRunner):
             self.scheduler._drop_chain(req)
             return
         chain.append(snap)
-        chain[:] = self.pool.cache_chain(req.tokens, chain)
+        chain[:] = self.pool.cache_chain(req.tokens, chain, req.params.cache_salt)
 
     def forget_step_state(self) -> None:
         """After a failed step: the slots of requests that will compute their tokens again get back the
