@@ -172,6 +172,7 @@ def convert_verb(argv: list[str]) -> None:
                         help="fold the adapter into the weights (W + scale·B·A, as PEFT's merge_and_unload) and "
                              "write a plain Hugging Face model directory instead of the adapter")
     ns = parser.parse_args(argv)
+    from .checkpoint.lora_base import peft_base
     from .commands import USER_ERRORS, CommandError, load_adapted
     from .hub import resolve_model_option
     from .model.lora import merge_lora
@@ -186,32 +187,12 @@ def convert_verb(argv: list[str]) -> None:
             merge_lora(model)
         adapter_only = model.lora_config is not None
         tokenizer, spec = _export_tokenizer(ns.ckpt, ns.tokenizer)
-        base = _peft_base(model, Path(ns.output), tokenizer, ns.overwrite) if adapter_only else None
+        base = peft_base(model, Path(ns.output) / "base", tokenizer, ns.overwrite) if adapter_only else None
         model.save_pretrained(ns.output, tokenizer=tokenizer, overwrite=ns.overwrite)
     except (*USER_ERRORS, FileExistsError) as err:  # the message names the file and the fix
         raise SystemExit(f"astrai-pl convert: {err}") from None
     kind = f"a PEFT adapter directory on {base}" if adapter_only else "a Hugging Face model directory"
     print(f"wrote {ns.output} ({kind}{f'; tokenizer: {spec}' if spec else ', no tokenizer'})")
-
-
-def _peft_base(model: Any, output: Path, tokenizer: Any, overwrite: bool) -> str:
-    """The base an exported adapter names as base_model_name_or_path, which PEFT's one-call
-    `AutoPeftModelForCausalLM.from_pretrained(output)` loads: a Hugging Face directory the base already is (its
-    absolute path), a name that is no local path (a Hub id, as PEFT wrote it), else the base written as a
-    Hugging Face directory into `output/base/`."""
-    from .model.lora import base_of
-
-    extra = model.__dict__.setdefault("adapter_extra", {})
-    named = extra.get("base_model_name_or_path")
-    if named and (Path(named) / "config.json").is_file():
-        extra["base_model_name_or_path"] = str(Path(named).resolve())
-    elif named and not Path(named).exists() and not str(named).endswith(".ckpt"):
-        return str(named)
-    else:
-        folder = output / "base"
-        base_of(model).save_pretrained(folder, tokenizer=tokenizer, overwrite=overwrite)
-        extra["base_model_name_or_path"] = str(folder.resolve())
-    return extra["base_model_name_or_path"]
 
 
 def _export_tokenizer(ckpt: str, given: str | None) -> tuple[Any, str | None]:

@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from ..checkpoint.lora_base import peft_base
 from ..model import Transformer
 from ..model.lora import apply_lora
 
@@ -28,23 +29,35 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_pretrained(
-    model: Transformer, path: str | Path, tokenizer: Any = None, is_writer: bool = True
-) -> None:
+    model: Transformer, path: str | Path, tokenizer: Any = None, is_writer: bool = True, *,
+    base: str | None = None, base_folder: str | Path | None = None,
+) -> None:  # fmt: skip
     """Write `model` as a Hugging Face folder, whatever its layout (plain, compiled, checkpointed, sharded); a
-    model with a LoRA adapter as the PEFT adapter directory its save_pretrained writes."""
+    model with a LoRA adapter as the PEFT adapter directory its save_pretrained writes. With `base_folder`, the
+    adapter names a base PEFT loads in one call, as `astrai-pl convert` does (`checkpoint.lora_base.peft_base`):
+    `base` (the run's init_from) where that is a Hugging Face directory or a Hub id, else the base written into
+    `base_folder`."""
     state = full_state_dict(model)
     if not is_writer:
         return
     plain = Transformer(model.config)
-    if getattr(model, "lora_config", None) is not None:
+    adapted = getattr(model, "lora_config", None) is not None
+    if adapted:
         apply_lora(plain, model.lora_config)
+        originals = getattr(model, "lora_originals", {})  # modules_to_save as the base had them
+        plain.__dict__["lora_originals"] = {k: v.detach().cpu() for k, v in originals.items()}
     plain.load_state_dict(state)
+    if adapted and base_folder is not None:
+        plain.__dict__["adapter_extra"] = {"base_model_name_or_path": base}
+        peft_base(plain, Path(base_folder), tokenizer, overwrite=True)
     plain.save_pretrained(path, tokenizer=tokenizer, overwrite=True)  # the callback's own step-N and final
 
 
 class HFExport(L.Callback):
     """Export `dirpath/step-00001000` every `every_n_train_steps` optimizer steps, and `dirpath/final`
-    when training ends.
+    when training ends. A LoRA run's exports are PEFT adapter directories whose adapter_config.json names
+    their base, as `astrai-pl convert` writes them: init_from where it is a Hugging Face directory or a Hub
+    id, else the base itself, written into `dirpath/base` (shared by the exports; a `.ckpt` init_from, or none).
 
     Args:
         dirpath: Folder that receives the exports; None: `hf/` in the run's directory (the trainer's log_dir,
@@ -79,9 +92,9 @@ class HFExport(L.Callback):
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "hf"
         path = self.dirpath / name
-        export_pretrained(
-            pl_module.model, path, getattr(pl_module, "tokenizer", None), trainer.is_global_zero
-        )
+        record = getattr(pl_module, "base_record", None) or {}  # a LoRA run's base: its init_from
+        export_pretrained(pl_module.model, path, getattr(pl_module, "tokenizer", None), trainer.is_global_zero,
+                          base=record.get("init_from"), base_folder=self.dirpath / "base")
         trainer.strategy.barrier("hf_export")
         return path
 

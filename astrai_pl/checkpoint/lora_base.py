@@ -78,6 +78,26 @@ def candidates(ckpt: Path, record: dict[str, Any], skip: tuple[Path, ...]) -> It
                     yield path
 
 
+def peft_base(model: Any, folder: Path, tokenizer: Any, overwrite: bool) -> str:
+    """The base an adapter exported from `model` names as base_model_name_or_path, so that PEFT's one call
+    `AutoPeftModelForCausalLM.from_pretrained(adapter_dir)` loads it: the Hugging Face directory the base already
+    is (its absolute path), a name that is no local path (a Hub id, as PEFT wrote it), else the base written as
+    a Hugging Face directory into `folder`. Recorded in `model.adapter_extra`, which the adapter's
+    save_pretrained writes; `astrai-pl convert` and the HFExport callback both name bases so."""
+    from ..model.lora import base_of
+
+    extra = model.__dict__.setdefault("adapter_extra", {})
+    named = extra.get("base_model_name_or_path")
+    if named and (Path(named) / "config.json").is_file():
+        extra["base_model_name_or_path"] = str(Path(named).resolve())
+    elif named and not Path(named).exists() and not str(named).endswith(".ckpt"):
+        return str(named)
+    else:
+        base_of(model).save_pretrained(folder, tokenizer=tokenizer, overwrite=overwrite)
+        extra["base_model_name_or_path"] = str(Path(folder).resolve())
+    return extra["base_model_name_or_path"]
+
+
 def note_found(ckpt: Path, recorded: str, found: Path, why: str) -> None:
     log.warning("%s: its LoRA base at %s %s; using %s, which holds the weights it was trained on "
                 "(same fingerprint)", ckpt, recorded, why, found)

@@ -4,6 +4,7 @@ import torch
 from fit_runs import quiet_trainer
 
 from astrai_pl.callbacks import HFExport
+from astrai_pl.checkpoint import load_transformer
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.objectives import Pretrain
 from astrai_pl.tokenizer import Tokenizer
@@ -38,3 +39,35 @@ def test_interval_exports_happen_on_optimizer_steps_only(tmp_path):
     trainer = quiet_trainer(max_steps=2, accumulate_grad_batches=3, callbacks=[export])
     trainer.fit(module, train_dataloaders=_batches())
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["step-00000001", "step-00000002"]
+
+
+LORA = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}
+
+
+def lora_fit(tmp_path, init_from):
+    """A LoRA run of 2 steps from `init_from` with HFExport; the module and the final export's adapter config."""
+    torch.manual_seed(0)
+    module = Pretrain(init_from=str(init_from), lora=LORA, tokenizer=Tokenizer.byte_level())
+    trainer = quiet_trainer(max_steps=2, callbacks=[HFExport(dirpath=str(tmp_path / "hf"))])
+    trainer.fit(module, train_dataloaders=_batches())
+    return module.model.eval(), json.loads((tmp_path / "hf" / "final" / "adapter_config.json").read_text())
+
+
+def test_a_lora_runs_export_names_a_base_that_peft_loads_in_one_call(tmp_path, monkeypatch):
+    from test_lora_base import peft_in_one_call, pretrain_run, same_logits
+
+    ckpt = pretrain_run(tmp_path / "runs", 0, seed=3)  # a .ckpt, which PEFT cannot read: the base is written
+    model, config = lora_fit(tmp_path, ckpt)
+    assert config["base_model_name_or_path"] == str((tmp_path / "hf" / "base").resolve())
+    base, want = Transformer.from_pretrained(tmp_path / "hf" / "base").state_dict(), load_transformer(None, str(ckpt))
+    assert all(torch.equal(base[k], v) for k, v in want.state_dict().items())  # lm_head too, as before training
+    assert not torch.equal(base["lm_head.weight"], model.lm_head.weight)  # the trained head is the adapter's
+    monkeypatch.chdir(tmp_path / "runs")
+    assert same_logits(peft_in_one_call(tmp_path / "hf" / "final", monkeypatch), model)
+
+
+def test_a_lora_runs_export_names_its_hugging_face_init_from(tmp_path):
+    Transformer(ModelConfig.from_name("debug")).save_pretrained(tmp_path / "base", tokenizer=Tokenizer.byte_level())
+    _, config = lora_fit(tmp_path, tmp_path / "base")
+    assert config["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+    assert not (tmp_path / "hf" / "base").exists()  # no second copy of a base PEFT already reads
