@@ -240,6 +240,15 @@ class Objective(L.LightningModule, ABC):
                                   "Fix: point init_from at the same base model: the checkpoint records "
                                   f"{record.get('init_from')!r} (--model.init_args.init_from with that path)")
 
+    def train(self, mode: bool = True):
+        """Training mode for the policy; a frozen reference copy (`ref_model`, where the objective keeps one as
+        a child module) stays in eval mode, which `LightningModule.train()` would take it out of."""
+        super().train(mode)
+        reference = getattr(self, "ref_model", None)
+        if reference is not None:
+            reference.eval()
+        return self
+
     def on_fit_start(self) -> None:
         if self.model.lora_config is not None:
             rank_zero_info(f"LoRA: {trainable_summary(self.model)}")

@@ -169,12 +169,6 @@ class GRPO(Objective):
         # of the module tree (no checkpoint, optimizer or device move sees it).
         object.__setattr__(self, "_rollout_model", None)
 
-    def train(self, mode: bool = True):
-        super().train(mode)
-        if self.ref_model is not None:
-            self.ref_model.eval()
-        return self
-
     # -- rollouts --------------------------------------------------------------------------------------
     def configure_model(self) -> None:
         """As every objective; under `strategy: fsdp2` (FSDP2 and/or tensor parallel) also a plain copy of the

@@ -111,9 +111,3 @@ def longest_prompted_sequence(datamodule: Any, option: str, completion: int) -> 
     if prompt is None:
         return f"model.init_args.{option}", completion
     return f"data.init_args.max_prompt_len + model.init_args.{option}", int(prompt) + completion
-
-
-def keep_frozen(reference: torch.nn.Module | None) -> None:
-    """The frozen reference back in eval mode after `LightningModule.train()` put every child in training mode."""
-    if reference is not None:
-        reference.eval()

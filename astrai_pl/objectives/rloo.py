@@ -16,7 +16,6 @@ from .on_policy import (
     check_whole_model,
     completion_rewards,
     held_out_rewards,
-    keep_frozen,
     log_held_out_rewards,
     longest_prompted_sequence,
     policy_engine,
@@ -102,11 +101,6 @@ class RLOO(Objective):
         self.ref_model = frozen_copy(self.model) if beta > 0 and self.model.lora_config is None else None
         self.rollout: Rollout | None = None
         self._engine = None
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        keep_frozen(self.ref_model)
-        return self
 
     def configure_model(self) -> None:
         check_whole_model("RLOO", self.trainer if self._trainer is not None else None)

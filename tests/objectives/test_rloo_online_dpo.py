@@ -11,7 +11,7 @@ from astrai_pl.cli import lightning_main
 from astrai_pl.data import Arithmetic, GRPOData
 from astrai_pl.data.synthetic import problems
 from astrai_pl.model import ConfigError, ModelConfig
-from astrai_pl.objectives import RLOO, OnlineDPO
+from astrai_pl.objectives import GRPO, RLOO, OnlineDPO
 from astrai_pl.objectives.evaluation import chat_prompts
 from astrai_pl.objectives.logprobs import sequence_logprobs, token_logprobs
 from astrai_pl.objectives.on_policy_losses import rloo_advantages
@@ -165,3 +165,11 @@ def test_batches_without_prompts_are_refused_with_the_data_module_to_use():
     module = build(OnlineDPO)
     with pytest.raises(ValueError, match="GRPOData"):
         module.sample_pairs({"input_ids": [[1, 2]]})
+
+
+@pytest.mark.parametrize("cls", [RLOO, OnlineDPO, GRPO])
+def test_train_mode_leaves_the_frozen_reference_in_eval_mode(cls):
+    module = build(cls, **({} if cls is OnlineDPO else {"beta": 0.1})).eval()
+    assert module.train() is module
+    assert module.model.training and not module.ref_model.training
+    assert all(not p.requires_grad for p in module.ref_model.parameters())
