@@ -17,24 +17,20 @@ found it. The reference comes in one of two forms:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from ..checkpoint import CheckpointError
 from ..checkpoint.loading import weights_fingerprint
-from ..model.config import ConfigError
 from .base import Objective, check_reference_fingerprint, frozen_copy, reference_scope
 from .logprobs import IGNORE_INDEX, hidden_logprobs, sequence_logprobs
 from .losses import dpo_loss
 from .options import check_dpo_options
+from .reference_tables import precompute_tables, saved_tables, table_rows
 from .shared_prompt import pair_hidden_states
 
 SIDES = ("chosen", "rejected")
-TABLE_OF_STAGE = {"train": "train", "val": "val", "test": "val"}  # which precomputed table a stage reads
 
 
 def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,20 +47,9 @@ def response_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torc
     return tuple((batch[f"{side}_labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1) for side in SIDES)
 
 
-@torch.no_grad()
-def reference_table(model: nn.Module, loader: Any, device: torch.device) -> torch.Tensor:
-    """(chosen, rejected) summed log-probabilities of every row of `loader`, at its `row_index`.  (N, 2)"""
-    was_training = model.training
-    model.eval()
-    try:
-        table = torch.full((len(loader.dataset), 2), math.nan)
-        for batch in loader:
-            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            table[batch["row_index"].cpu()] = torch.stack(pair_logps(model, batch), dim=1).float().cpu()
-    finally:
-        model.train(was_training)
-    assert not table.isnan().any(), "the loader did not cover every row index"
-    return table
+def pair_scores(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(chosen, rejected) summed log-probabilities of each pair: a row of the precomputed table.  (B, 2)"""
+    return torch.stack(pair_logps(model, batch), dim=1)
 
 
 class DPO(Objective):
@@ -129,12 +114,7 @@ class DPO(Objective):
         if self.model.lora_config is not None and not self.hparams.precompute_ref_log_probs:
             with torch.no_grad(), reference_scope(self.model):
                 return pair_logps(self.model, batch)
-        if self.reference_logps is None or "row_index" not in batch:
-            raise ConfigError("DPO.precompute_ref_log_probs=True needs its table filled before the first "
-                              "step and batches with 'row_index': pass DPOData as the datamodule of fit, "
-                              "validate or test")
-        rows = self.reference_logps[TABLE_OF_STAGE[stage]][batch["row_index"].cpu()]  # (B, 2)
-        rows = rows.to(batch["chosen_input_ids"].device)
+        rows = table_rows(self.reference_logps, batch, stage, "DPO", batch["chosen_input_ids"].device)  # (B, 2)
         return rows[:, 0], rows[:, 1]
 
     def _place_reference(self) -> None:
@@ -144,18 +124,8 @@ class DPO(Objective):
             self.reference.to(device=policy.device, dtype=policy.dtype)
 
     def _precompute(self) -> None:
-        if not self.hparams.precompute_ref_log_probs or self.reference_logps is not None:
-            return
-        datamodule = self.trainer.datamodule
-        if not hasattr(datamodule, "indexed_loaders"):
-            raise ConfigError("DPO.precompute_ref_log_probs=True needs a data module with indexed_loaders() "
-                              f"(DPOData), got {type(datamodule).__name__}; pass datamodule=DPOData(…) or "
-                              "set precompute_ref_log_probs to false")
-        with self.trainer.precision_plugin.forward_context(), reference_scope(self.model):
-            self.reference_logps = {split: reference_table(self.model, loader, self.device)
-                                    for split, loader in datamodule.indexed_loaders().items()}
-        sizes = ", ".join(f"{len(t)} {split}" for split, t in self.reference_logps.items())
-        rank_zero_info(f"DPO: reference log-probabilities precomputed for {sizes} pairs")
+        if self.hparams.precompute_ref_log_probs and self.reference_logps is None:
+            self.reference_logps = precompute_tables(self, pair_scores)
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
@@ -178,11 +148,7 @@ class DPO(Objective):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)  # a LoRA run's adapter and base (the base is its reference)
         if self.hparams.precompute_ref_log_probs:
-            if "reference_logps" not in checkpoint:
-                raise CheckpointError("this checkpoint holds no precomputed reference log-probabilities (it "
-                                      "was trained with a live reference); resume it with "
-                                      "precompute_ref_log_probs false")
-            self.reference_logps = checkpoint["reference_logps"]
+            self.reference_logps = saved_tables(checkpoint)
             return
         check_reference_fingerprint(checkpoint.get("reference_fingerprint"), self.reference_fingerprint,
                                     self.hparams.init_from)
