@@ -57,8 +57,9 @@ class DPO(Objective):
 
     π·/r· are the summed log-probabilities of the chosen (c) and rejected (r) responses under the policy and the
     frozen reference; prompts and padding are never scored. Both sides of every pair go through the model in one
-    forward, the prompt they share computed once (`shared_prompt`). The per-pair mean is exact under gradient
-    accumulation (DPOData tags batches with `window_pairs`). Metrics, with TRL's names, under train/ and val/:
+    forward, the prompt they share computed once (`shared_prompt`). The per-pair mean, and the chosen-token mean
+    of an NLL term (rpo_alpha, 'sft'), are exact under gradient accumulation and across data-parallel ranks
+    (DPOData tags batches with `window_pairs` and `window_chosen_tokens`). Metrics, with TRL's names, under train/ and val/:
     rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
     """
 
@@ -170,5 +171,21 @@ class DPO(Objective):
         if self.rpo_alpha is not None:
             loss = loss + self.rpo_alpha * nll
             metrics["nll_loss"] = nll.detach()
-        pairs = torch.tensor(policy[0].numel(), device=loss.device)
-        return loss * pairs / self.accumulation_scale(batch, pairs, key="window_pairs"), metrics
+        return self._exact(loss, nll, lengths[0].sum(), batch), metrics
+
+    def _nll_weight(self) -> float:
+        """The weight of the chosen responses' token-mean NLL in the loss: rpo_alpha plus each 'sft' loss weight."""
+        types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+        weights = self.hparams.loss_weights or [1.0] * len(types)
+        return (self.rpo_alpha or 0.0) + sum(w for t, w in zip(types, weights) if t == "sft")
+
+    def _exact(self, loss: torch.Tensor, nll: torch.Tensor, tokens: torch.Tensor, batch: dict[str, Any]):
+        """`loss` with its per-pair part a mean over the window's pairs and its NLL part (weight w) a mean over the
+        window's chosen tokens (`window_pairs`, `window_chosen_tokens`), over every data-parallel rank."""
+        pairs = torch.tensor(batch["chosen_input_ids"].shape[0], device=loss.device)
+        w = self._nll_weight()
+        per_pair = loss - w * nll if w else loss
+        exact = per_pair * pairs / self.accumulation_scale(batch, pairs, key="window_pairs")
+        if w:
+            exact = exact + w * nll * tokens / self.accumulation_scale(batch, tokens, key="window_chosen_tokens")
+        return exact
