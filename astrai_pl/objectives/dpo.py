@@ -124,19 +124,9 @@ class DPO(Objective):
         if (ref.device, ref.dtype) != (policy.device, policy.dtype):
             self.reference.to(device=policy.device, dtype=policy.dtype)
 
-    def _precompute(self) -> None:
+    def prepare_reference(self) -> None:
         if self.hparams.precompute_ref_log_probs and self.reference_logps is None:
             self.reference_logps = precompute_tables(self, pair_scores)
-
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        self._precompute()
-
-    def on_validation_start(self) -> None:
-        self._precompute()
-
-    def on_test_start(self) -> None:
-        self._precompute()
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -99,19 +99,9 @@ class KTO(Objective):
         """A row of the precomputed table: the example's and, for 'kto', its mismatched pair's log-probability."""
         return torch.stack(example_logps(model, batch, self.loss_type == "kto"), dim=1)  # (B, 1 or 2)
 
-    def _precompute(self) -> None:
+    def prepare_reference(self) -> None:
         if self.hparams.precompute_ref_log_probs and self.reference_logps is None:
             self.reference_logps = precompute_tables(self, self._example_scores)
-
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        self._precompute()
-
-    def on_validation_start(self) -> None:
-        self._precompute()
-
-    def on_test_start(self) -> None:
-        self._precompute()
 
     @torch.no_grad()
     def _reference_logps(self, batch: dict[str, torch.Tensor], kl: bool, stage: str) -> tuple[torch.Tensor, ...]:
