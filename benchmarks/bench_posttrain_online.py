@@ -20,6 +20,10 @@ a Lightning Trainer there is nothing to log to); TRL's call `training_step` on t
   48 tokens, beta 0, loss 'dapo'), with sequence-level ratios on both sides.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_posttrain_online.py [--only distill online-dpo rloo gspo]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_posttrain_online.py --dry-run   # debug preset, 2 x 8 tokens
+
+TRL's GKD collator (DataCollatorForChatML) needs a chat template, which the word-level tokenizer has not: its
+step gets the left-padded prompts as that collator gives them, built here.
 """
 
 from __future__ import annotations
