@@ -53,8 +53,9 @@ def collate_unpaired(rows: Sequence[dict[str, Any]], pad_id: int, max_seq_len: i
 
     Returns `input_ids` and `labels` (B, T) — labels are the tokens where the loss mask is 1 (the completion)
     and -100 elsewhere — `KL_input_ids` and `KL_labels` (B, T): each row's own mismatched pair when the rows
-    carry one (`with_mismatched_pairs`), else its prompt with the previous row's completion (`mismatched`), `label` (B,) bool (True: desirable) and `row_index` (B,) when the rows carry it. With one
-    width the objective can stack both into a single (2B, T) forward.
+    carry one (`with_mismatched_pairs`), else its prompt with the previous row's completion (`mismatched`),
+    `label` (B,) bool (True: desirable) and `row_index` (B,) when the rows carry it. With one width the
+    objective can stack both into a single (2B, T) forward.
     """
     fixed = "KL_input_ids" in rows[0]
     kl = [(r["KL_input_ids"], r["KL_loss_mask"]) for r in rows] if fixed else mismatched(rows)

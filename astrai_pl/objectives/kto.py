@@ -4,7 +4,7 @@ undesirable, against a frozen reference policy.
 The loss (`losses.kto_loss`) rewards a desirable completion for being more likely under the policy than under
 the reference, by more than a reference point z₀, and an undesirable one for being less likely. z₀ estimates
 KL(π ‖ π_ref) from mismatched pairs: each prompt of the batch with another example's completion (`KTOData`
-pairs each prompt with the previous row's completion, within the batch), scored by both models without
+pairs each example's prompt with the completion of the example before it in its split), scored by both models without
 gradients, averaged and clamped at 0 — as TRL's KTOTrainer does; with several devices the mismatched pairs of
 every rank are gathered first, so every rank uses the same z₀.
 
