@@ -27,6 +27,7 @@ BENCHES = {  # name: (script, arguments); in the order they run
     "step": ("bench_step.py", []),
     "posttrain": ("bench_posttrain.py", []),
     "posttrain-more": ("bench_posttrain_more.py", []),
+    "posttrain-online": ("bench_posttrain_online.py", []),
     "rollout": ("bench_rollout.py", []),
     "decode": ("bench_decode.py", []),
     "lora": ("bench_lora_sft.py", []),

@@ -17,7 +17,7 @@ from .preflight import check_trained_tokens, describe_example
 from .rows import DataError, log_skipped
 from .sampling import resumable_loader
 from .sources import Encoded, announce
-from .windows import pairs_in, windowed
+from .windows import chosen_tokens_in, pairs_in, windowed
 
 SIDES = ("chosen", "rejected")
 DPO_TRUNCATIONS = ("right", "drop")
@@ -79,8 +79,9 @@ def collate_pairs(rows: Sequence[dict[str, Any]], pad_id: int, max_seq_len: int)
 class DPOData(RowsData):
     """Preference pairs for DPO: rows `prompt`, `chosen`, `rejected` (text or messages).
 
-    Train batches carry `window_pairs` (the pairs of their accumulation window), with which an objective
-    can make a per-pair mean exact under gradient accumulation, and every batch carries `row_index` (the
+    Train batches carry `window_pairs` (the pairs of their accumulation window) and `window_chosen_tokens` (the
+    scored tokens of its chosen responses), with which an objective can make a per-pair mean and a chosen-token
+    mean (DPO's rpo_alpha and 'sft' terms, ORPO's NLL) exact under gradient accumulation, and every batch carries `row_index` (the
     pair's position in its split). A pair whose chosen equals its rejected is an error before training
     starts (or, with on_bad_row='skip', dropped and counted).
     """
@@ -153,7 +154,7 @@ class DPOData(RowsData):
         hp = self.hparams
         loader = resumable_loader(self.train_set.with_format(None), hp.batch_size, hp.seed, self.trainer,
                                   self._collate(), num_workers=hp.num_workers)
-        return windowed(loader, self.trainer, pairs_in, "window_pairs")
+        return windowed(loader, self.trainer, pairs_in, "window_pairs", also={"window_chosen_tokens": chosen_tokens_in})
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set)

@@ -39,15 +39,27 @@ def mismatched(rows: Sequence[dict[str, Any]]) -> list[tuple[list[int], list[int
     return out
 
 
+def with_mismatched_pairs(rows: Dataset) -> Dataset:
+    """`rows` with `KL_input_ids` and `KL_loss_mask`: each row's prompt followed by the previous row's completion
+    of the split (`mismatched` over the whole split). A pair fixed per row, as TRL's KL dataset is, is what lets
+    the reference's log-probabilities of the pairs be computed once (KTO's precompute_ref_log_probs)."""
+    pairs = mismatched(rows.select_columns(["input_ids", "loss_mask", "prompt_length"]).to_list())
+    rows = rows.add_column("KL_input_ids", [ids for ids, _ in pairs])
+    return rows.add_column("KL_loss_mask", [mask for _, mask in pairs])
+
+
 def collate_unpaired(rows: Sequence[dict[str, Any]], pad_id: int, max_seq_len: int) -> dict[str, torch.Tensor]:
     """The examples and their mismatched pairs, cut to max_seq_len and right-padded to one width T.
 
     Returns `input_ids` and `labels` (B, T) — labels are the tokens where the loss mask is 1 (the completion)
-    and -100 elsewhere — `KL_input_ids` and `KL_labels` (B, T): each prompt with the previous row's completion
-    (`mismatched`), `label` (B,) bool (True: desirable) and `row_index` (B,) when the rows carry it. With one
-    width the objective can stack both into a single (2B, T) forward.
+    and -100 elsewhere — `KL_input_ids` and `KL_labels` (B, T): each row's own mismatched pair when the rows
+    carry one (`with_mismatched_pairs`), else its prompt with the previous row's completion (`mismatched`),
+    `label` (B,) bool (True: desirable) and `row_index` (B,) when the rows carry it. With one width the
+    objective can stack both into a single (2B, T) forward.
     """
-    sides = {"": [(r["input_ids"], r["loss_mask"]) for r in rows], "KL_": mismatched(rows)}
+    fixed = "KL_input_ids" in rows[0]
+    kl = [(r["KL_input_ids"], r["KL_loss_mask"]) for r in rows] if fixed else mismatched(rows)
+    sides = {"": [(r["input_ids"], r["loss_mask"]) for r in rows], "KL_": kl}
     cut = {k: [(ids[:max_seq_len], mask[:max_seq_len]) for ids, mask in v] for k, v in sides.items()}
     width = max(len(ids) for v in cut.values() for ids, _ in v)
     batch: dict[str, torch.Tensor] = {}
@@ -66,8 +78,10 @@ class KTOData(RowsData):
 
     Train batches carry `window_examples` (the examples of their accumulation window), with which the objective
     makes its per-example mean exact under gradient accumulation. Each batch also holds every example's
-    mismatched pair (its prompt with the previous example's completion, within the batch): KTO's KL estimate
-    needs batches of at least 2 examples. The desirable/undesirable counts of each split are logged.
+    mismatched pair (its prompt with the completion of the example before it in its split, fixed per example as
+    TRL's KL dataset is): KTO's KL estimate averages them over a batch, so it needs batches of at least 2
+    examples. Every batch carries `row_index` (the example's position in its split). The desirable/undesirable
+    counts of each split are logged.
     """
 
     kind = "kto"
@@ -106,7 +120,7 @@ class KTOData(RowsData):
         rows = rows if len(keep) == len(rows) else rows.select(keep)
         desirable = int(np.sum(rows["label"]))
         announce(f"KTOData {encoded.name}: {desirable} desirable, {len(rows) - desirable} undesirable")
-        return rows.add_column("row_index", np.arange(len(rows)))
+        return with_mismatched_pairs(rows.add_column("row_index", np.arange(len(rows))))
 
     def _loader(self, dataset: Dataset, **kwargs) -> DataLoader:
         collate = partial(collate_unpaired, pad_id=self.tokenizer.pad_token_id, max_seq_len=self.hparams.max_seq_len)
@@ -122,5 +136,11 @@ class KTOData(RowsData):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set)
+
+    def indexed_loaders(self) -> dict[str, DataLoader]:
+        """Every example of each split ("train", "val") once, in row order and on every rank: what a table keyed
+        by `row_index` is filled from (KTO's precompute_ref_log_probs). The test loader is "val"."""
+        self._prepare()
+        return {"train": self._loader(self.train_set), "val": self._loader(self.val_set)}
 
     test_dataloader = val_dataloader

@@ -37,8 +37,14 @@ def pairs_in(batch: dict[str, Any]) -> int:
     return int(batch["chosen_input_ids"].shape[0])
 
 
+def chosen_tokens_in(batch: dict[str, Any]) -> int:
+    """Scored tokens of a batch's chosen responses (at least one each), as DPO and ORPO count them."""
+    return int((batch["chosen_labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1).sum())
+
+
 class WindowedLoader:
-    """An iterable over `loader`'s batches (dicts), each with `batch[key]` = `count` summed over its window.
+    """An iterable over `loader`'s batches (dicts), each with `batch[key]` = `count` summed over its window, and
+    likewise each counter of `also` under its own key (e.g. DPO's pairs and chosen tokens).
 
     `accumulate` and `limit` are read at the start of every epoch, so they can come from a trainer that
     is configured after the loader is built: K = accumulate(), batches per epoch = limit() (None or
@@ -52,9 +58,10 @@ class WindowedLoader:
         limit: Callable[[], float | None] = lambda: None,
         count: Counter = trained_targets_in,
         key: str = "window_tokens",
+        also: dict[str, Counter] | None = None,
     ):
         self.loader, self.accumulate, self.limit = loader, accumulate, limit
-        self.count, self.key = count, key
+        self.counters = {key: count, **(also or {})}
         self._start = 0  # position in the epoch of the next window to read
         self._skip = 0  # batches of that window already handed out before a restore
 
@@ -83,12 +90,12 @@ class WindowedLoader:
             window = _take(inner, size)
             if not window:
                 return
-            total = sum(self.count(batch) for batch in window)
+            totals = {key: sum(count(batch) for batch in window) for key, count in self.counters.items()}
             self._window_len = len(window)
             for i, batch in enumerate(window):
                 if i >= skip:
                     self._handed = i + 1
-                    yield {**batch, self.key: total}
+                    yield {**batch, **totals}
             start, skip = start + len(window), 0
             if len(window) < size:
                 return
@@ -141,9 +148,10 @@ def windowed(
     trainer: Any,
     count: Counter = trained_targets_in,
     key: str = "window_tokens",
+    also: dict[str, Counter] | None = None,
 ) -> Iterable[dict[str, Any]]:
-    """`loader` tagged per accumulation window of `trainer` (stateful when the loader is); the loader
-    itself when there is no trainer."""
+    """`loader` tagged per accumulation window of `trainer` (stateful when the loader is) with `count` under
+    `key` and each counter of `also` under its key; the loader itself when there is no trainer."""
     if trainer is None:
         return loader
     cls = (
@@ -152,7 +160,7 @@ def windowed(
         else WindowedLoader
     )
     return cls(
-        loader, lambda: trainer.accumulate_grad_batches, lambda: _batches_per_epoch(trainer), count, key
+        loader, lambda: trainer.accumulate_grad_batches, lambda: _batches_per_epoch(trainer), count, key, also
     )
 
 

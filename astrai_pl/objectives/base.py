@@ -252,6 +252,17 @@ class Objective(L.LightningModule, ABC):
     def on_fit_start(self) -> None:
         if self.model.lora_config is not None:
             rank_zero_info(f"LoRA: {trainable_summary(self.model)}")
+        self.prepare_reference()
+
+    def on_validation_start(self) -> None:
+        self.prepare_reference()
+
+    def on_test_start(self) -> None:
+        self.prepare_reference()
+
+    def prepare_reference(self) -> None:
+        """Before the first step of fit, validate or test: what the reference needs once (DPO and KTO fill their
+        precomputed tables here, `reference_tables`). Nothing by default."""
 
     # -- before step 1: what this model cannot train on is refused -----------------------------------------
     def setup(self, stage: str) -> None:

@@ -17,24 +17,20 @@ found it. The reference comes in one of two forms:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from ..checkpoint import CheckpointError
 from ..checkpoint.loading import weights_fingerprint
-from ..model.config import ConfigError
 from .base import Objective, check_reference_fingerprint, frozen_copy, reference_scope
 from .logprobs import IGNORE_INDEX, hidden_logprobs, sequence_logprobs
 from .losses import dpo_loss
 from .options import check_dpo_options
+from .reference_tables import precompute_tables, saved_tables, table_rows
 from .shared_prompt import pair_hidden_states
 
 SIDES = ("chosen", "rejected")
-TABLE_OF_STAGE = {"train": "train", "val": "val", "test": "val"}  # which precomputed table a stage reads
 
 
 def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,20 +47,9 @@ def response_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torc
     return tuple((batch[f"{side}_labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1) for side in SIDES)
 
 
-@torch.no_grad()
-def reference_table(model: nn.Module, loader: Any, device: torch.device) -> torch.Tensor:
-    """(chosen, rejected) summed log-probabilities of every row of `loader`, at its `row_index`.  (N, 2)"""
-    was_training = model.training
-    model.eval()
-    try:
-        table = torch.full((len(loader.dataset), 2), math.nan)
-        for batch in loader:
-            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            table[batch["row_index"].cpu()] = torch.stack(pair_logps(model, batch), dim=1).float().cpu()
-    finally:
-        model.train(was_training)
-    assert not table.isnan().any(), "the loader did not cover every row index"
-    return table
+def pair_scores(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(chosen, rejected) summed log-probabilities of each pair: a row of the precomputed table.  (B, 2)"""
+    return torch.stack(pair_logps(model, batch), dim=1)
 
 
 class DPO(Objective):
@@ -72,8 +57,9 @@ class DPO(Objective):
 
     π·/r· are the summed log-probabilities of the chosen (c) and rejected (r) responses under the policy and the
     frozen reference; prompts and padding are never scored. Both sides of every pair go through the model in one
-    forward, the prompt they share computed once (`shared_prompt`). The per-pair mean is exact under gradient
-    accumulation (DPOData tags batches with `window_pairs`). Metrics, with TRL's names, under train/ and val/:
+    forward, the prompt they share computed once (`shared_prompt`). The per-pair mean, and the chosen-token mean
+    of an NLL term (rpo_alpha, 'sft'), are exact under gradient accumulation and across data-parallel ranks
+    (DPOData tags batches with `window_pairs` and `window_chosen_tokens`). Metrics, with TRL's names, under train/ and val/:
     rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
     """
 
@@ -129,12 +115,7 @@ class DPO(Objective):
         if self.model.lora_config is not None and not self.hparams.precompute_ref_log_probs:
             with torch.no_grad(), reference_scope(self.model):
                 return pair_logps(self.model, batch)
-        if self.reference_logps is None or "row_index" not in batch:
-            raise ConfigError("DPO.precompute_ref_log_probs=True needs its table filled before the first "
-                              "step and batches with 'row_index': pass DPOData as the datamodule of fit, "
-                              "validate or test")
-        rows = self.reference_logps[TABLE_OF_STAGE[stage]][batch["row_index"].cpu()]  # (B, 2)
-        rows = rows.to(batch["chosen_input_ids"].device)
+        rows = table_rows(self.reference_logps, batch, stage, "DPO", batch["chosen_input_ids"].device)  # (B, 2)
         return rows[:, 0], rows[:, 1]
 
     def _place_reference(self) -> None:
@@ -143,29 +124,9 @@ class DPO(Objective):
         if (ref.device, ref.dtype) != (policy.device, policy.dtype):
             self.reference.to(device=policy.device, dtype=policy.dtype)
 
-    def _precompute(self) -> None:
-        if not self.hparams.precompute_ref_log_probs or self.reference_logps is not None:
-            return
-        datamodule = self.trainer.datamodule
-        if not hasattr(datamodule, "indexed_loaders"):
-            raise ConfigError("DPO.precompute_ref_log_probs=True needs a data module with indexed_loaders() "
-                              f"(DPOData), got {type(datamodule).__name__}; pass datamodule=DPOData(…) or "
-                              "set precompute_ref_log_probs to false")
-        with self.trainer.precision_plugin.forward_context(), reference_scope(self.model):
-            self.reference_logps = {split: reference_table(self.model, loader, self.device)
-                                    for split, loader in datamodule.indexed_loaders().items()}
-        sizes = ", ".join(f"{len(t)} {split}" for split, t in self.reference_logps.items())
-        rank_zero_info(f"DPO: reference log-probabilities precomputed for {sizes} pairs")
-
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        self._precompute()
-
-    def on_validation_start(self) -> None:
-        self._precompute()
-
-    def on_test_start(self) -> None:
-        self._precompute()
+    def prepare_reference(self) -> None:
+        if self.hparams.precompute_ref_log_probs and self.reference_logps is None:
+            self.reference_logps = precompute_tables(self, pair_scores)
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -178,11 +139,7 @@ class DPO(Objective):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)  # a LoRA run's adapter and base (the base is its reference)
         if self.hparams.precompute_ref_log_probs:
-            if "reference_logps" not in checkpoint:
-                raise CheckpointError("this checkpoint holds no precomputed reference log-probabilities (it "
-                                      "was trained with a live reference); resume it with "
-                                      "precompute_ref_log_probs false")
-            self.reference_logps = checkpoint["reference_logps"]
+            self.reference_logps = saved_tables(checkpoint)
             return
         check_reference_fingerprint(checkpoint.get("reference_fingerprint"), self.reference_fingerprint,
                                     self.hparams.init_from)
@@ -204,5 +161,21 @@ class DPO(Objective):
         if self.rpo_alpha is not None:
             loss = loss + self.rpo_alpha * nll
             metrics["nll_loss"] = nll.detach()
-        pairs = torch.tensor(policy[0].numel(), device=loss.device)
-        return loss * pairs / self.accumulation_scale(batch, pairs, key="window_pairs"), metrics
+        return self._exact(loss, nll, lengths[0].sum(), batch), metrics
+
+    def _nll_weight(self) -> float:
+        """The weight of the chosen responses' token-mean NLL in the loss: rpo_alpha plus each 'sft' loss weight."""
+        types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+        weights = self.hparams.loss_weights or [1.0] * len(types)
+        return (self.rpo_alpha or 0.0) + sum(w for t, w in zip(types, weights) if t == "sft")
+
+    def _exact(self, loss: torch.Tensor, nll: torch.Tensor, tokens: torch.Tensor, batch: dict[str, Any]):
+        """`loss` with its per-pair part a mean over the window's pairs and its NLL part (weight w) a mean over the
+        window's chosen tokens (`window_pairs`, `window_chosen_tokens`), over every data-parallel rank."""
+        pairs = torch.tensor(batch["chosen_input_ids"].shape[0], device=loss.device)
+        w = self._nll_weight()
+        per_pair = loss - w * nll if w else loss
+        exact = per_pair * pairs / self.accumulation_scale(batch, pairs, key="window_pairs")
+        if w:
+            exact = exact + w * nll * tokens / self.accumulation_scale(batch, tokens, key="window_chosen_tokens")
+        return exact

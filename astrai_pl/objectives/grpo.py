@@ -253,7 +253,7 @@ class GRPO(Objective):
         completions, per_func, total, metrics = self._sample_and_score(batch, params, hp.num_generations)
         advantages = group_advantages(total.to(self.device), hp.num_generations, scale=hp.scale_rewards)
         parts = micro_batches(prompt_ids, completions, advantages, num_micro_batches, self.tokenizer.pad_token_id,
-                              hp.loss_type, hp.mask_truncated_completions)
+                              hp.loss_type, hp.mask_truncated_completions, self._trainer)
         for part in parts:  # both fixed for the whole rollout: scored once, not once per iteration
             if self.ref_model is not None:
                 part["ref_logps"] = self._logps(self.ref_model, part)

@@ -4,13 +4,15 @@ undesirable, against a frozen reference policy.
 The loss (`losses.kto_loss`) rewards a desirable completion for being more likely under the policy than under
 the reference, by more than a reference point z₀, and an undesirable one for being less likely. z₀ estimates
 KL(π ‖ π_ref) from mismatched pairs: each prompt of the batch with another example's completion (`KTOData`
-pairs each prompt with the previous row's completion, within the batch), scored by both models without
+pairs each example's prompt with the completion of the example before it in its split), scored by both models without
 gradients, averaged and clamped at 0 — as TRL's KTOTrainer does; with several devices the mismatched pairs of
 every rank are gathered first, so every rank uses the same z₀.
 
 The reference is a frozen copy of the initial policy held outside the module tree (not in `state_dict()`, the
 optimizer or checkpoints; a fingerprint of its weights in the checkpoint refuses a resume against other ones),
-or, when training a LoRA adapter, the base with the adapter switched off.
+or, when training a LoRA adapter, the base with the adapter switched off. With precompute_ref_log_probs, the
+reference scores every example and its mismatched pair (fixed per example by `KTOData`) once before the first
+step, as DPO's does (`reference_tables`), and no reference model is kept or run during training.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .base import Objective, check_reference_fingerprint, frozen_copy, reference
 from .logprobs import sequence_logprobs, token_logprobs
 from .options import check_kto_options
 from .preference_losses import kto_loss
+from .reference_tables import precompute_tables, saved_tables, table_rows
 
 
 def example_logps(model: nn.Module, batch: dict[str, torch.Tensor], kl: bool) -> tuple[torch.Tensor, ...]:
@@ -55,6 +58,7 @@ class KTO(Objective):
         desirable_weight: float = 1.0,
         undesirable_weight: float = 1.0,
         loss_type: str = "kto",
+        precompute_ref_log_probs: bool = False,
         **kwargs: Any,
     ):
         """
@@ -66,16 +70,21 @@ class KTO(Objective):
             undesirable_weight: λ_U, the weight of each undesirable example's loss.
             loss_type: 'kto' (the paper's loss, with the KL reference point) or 'apo_zero_unpaired' (APO-zero on
                 unpaired data: no reference point, no mismatched pairs scored).
+            precompute_ref_log_probs: Score every example (and its mismatched pair) under the initial policy once
+                before training and keep no reference model (half the weights in memory, one extra pass over the
+                data) instead of a live frozen copy. Needs a data module with `indexed_loaders()` (KTOData).
         """
         check_kto_options(beta, desirable_weight, undesirable_weight, loss_type)
         super().__init__(*args, **kwargs)  # the options of every objective: arch, init_from, … (Objective)
         self.beta, self.loss_type = beta, loss_type
         self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
         # With LoRA the base, adapter switched off, is the reference (base.reference_scope): no copy is kept.
-        reference = frozen_copy(self.model) if self.model.lora_config is None else None
+        live = not precompute_ref_log_probs and self.model.lora_config is None
+        reference = frozen_copy(self.model) if live else None
         # In __dict__, not a submodule: outside state_dict(), parameters(), the optimizer and checkpoints.
         self.__dict__["reference"] = reference
         self.reference_fingerprint = None if reference is None else weights_fingerprint(reference)
+        self.reference_logps: dict[str, torch.Tensor] | None = None  # split -> (N, 1 or 2), when precomputed
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -86,8 +95,18 @@ class KTO(Objective):
                               "least 2 (TRL refuses 1 too), or loss_type apo_zero_unpaired")
 
     # -- the reference ------------------------------------------------------------------------------------
+    def _example_scores(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A row of the precomputed table: the example's and, for 'kto', its mismatched pair's log-probability."""
+        return torch.stack(example_logps(model, batch, self.loss_type == "kto"), dim=1)  # (B, 1 or 2)
+
+    def prepare_reference(self) -> None:
+        if self.hparams.precompute_ref_log_probs and self.reference_logps is None:
+            self.reference_logps = precompute_tables(self, self._example_scores)
+
     @torch.no_grad()
-    def _reference_logps(self, batch: dict[str, torch.Tensor], kl: bool) -> tuple[torch.Tensor, ...]:
+    def _reference_logps(self, batch: dict[str, torch.Tensor], kl: bool, stage: str) -> tuple[torch.Tensor, ...]:
+        if self.hparams.precompute_ref_log_probs:
+            return table_rows(self.reference_logps, batch, stage, "KTO", batch["input_ids"].device).unbind(1)
         if self.reference is None:
             with reference_scope(self.model):
                 return example_logps(self.model, batch, kl)
@@ -98,11 +117,16 @@ class KTO(Objective):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
+        if self.reference_logps is not None:
+            checkpoint["reference_logps"] = self.reference_logps
         if self.reference_fingerprint is not None:
             checkpoint["reference_fingerprint"] = self.reference_fingerprint
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
+        if self.hparams.precompute_ref_log_probs:
+            self.reference_logps = saved_tables(checkpoint)
+            return
         check_reference_fingerprint(checkpoint.get("reference_fingerprint"), self.reference_fingerprint,
                                     self.hparams.init_from)
 
@@ -119,7 +143,7 @@ class KTO(Objective):
     def _shared_step(self, batch: dict[str, torch.Tensor], stage: str):
         kl = self.loss_type == "kto"
         policy = sequence_logprobs(token_logprobs(self.model, batch["input_ids"], batch["labels"]))  # (B,)
-        ref = self._reference_logps(batch, kl)  # (B,) and, with kl, the mismatched pairs' (B,)
+        ref = self._reference_logps(batch, kl, stage)  # (B,) and, with kl, the mismatched pairs' (B,)
         policy_kl = ref_kl = None
         if kl:
             with torch.no_grad():  # z₀ is a constant: the mismatched pairs take no gradient

@@ -14,7 +14,6 @@ from torch import nn
 
 from .base import Objective
 from .dpo import pair_logps, response_lengths
-from .global_counts import rank_share
 from .options import check_orpo_options
 from .preference_losses import orpo_loss
 
@@ -46,8 +45,8 @@ class ORPO(PairObjective):
     through the model in one forward, the prompt they share computed once (`shared_prompt`). Metrics, with TRL's
     names, under train/ and val/: nll_loss, log_odds_ratio, log_odds_chosen, rewards/chosen, rewards/rejected,
     rewards/accuracies, rewards/margins, logps/chosen, logps/rejected. In training the NLL is the mean over every
-    data-parallel rank's chosen tokens and the odds-ratio term the mean over every rank's pairs (exact under
-    gradient accumulation too).
+    data-parallel rank's chosen tokens and the odds-ratio term the mean over every rank's pairs, both over the
+    whole accumulation window (DPOData tags batches with `window_chosen_tokens` and `window_pairs`).
     """
 
     def __init__(self, *args: Any, beta: float = 0.1, **kwargs: Any):
@@ -67,4 +66,5 @@ class ORPO(PairObjective):
             return loss, metrics
         # Two means, each over every rank's items: the NLL over chosen tokens, the odds-ratio term over pairs.
         tokens = response_lengths(batch)[0].sum()
-        return self._per_pair(loss - nll, batch) + nll * rank_share(tokens, nll.device, self._trainer), metrics
+        nll_part = nll * tokens / self.accumulation_scale(batch, tokens, key="window_chosen_tokens")
+        return self._per_pair(loss - nll, batch) + nll_part, metrics

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..inference import Completion, Engine, SamplingParams
+from .global_counts import summed_over_ranks
 from .logprobs import IGNORE_INDEX
 
 PROMPT_COLUMNS = ("prompt", "prompt_ids", "prompt_text")
@@ -137,21 +138,20 @@ def accumulation_weights(parts: Sequence[dict[str, torch.Tensor]], loss_type: st
     return [k * s / total if total else 0.0 for s in sizes]
 
 
-def window_items(parts: Sequence[dict[str, torch.Tensor]]) -> float:
+def window_items(parts: Sequence[dict[str, torch.Tensor]], trainer: Any = None) -> float:
     """dapo's `num_items` for each of these k micro-batches: N / (k · W), N the trained completion tokens of
-    every rank's micro-batches (summed over the data-parallel ranks, W of them, when torch.distributed is
-    initialised), so that after Lightning's division by k and DDP's average over ranks the accumulated
-    gradient is that of Σ ℓ / N over the whole global batch. Every rank must call it at the same time."""
+    every rank's micro-batches (summed over the W data-parallel ranks of `trainer`, `global_counts`: under tensor
+    parallelism the ranks of one tensor-parallel group hold one rollout and count it once), so that after
+    Lightning's division by k and the average over data-parallel ranks the accumulated gradient is that of
+    Σ ℓ / N over the whole global batch. Every rank must call it at the same time."""
     tokens = torch.stack([p["mask"].sum() for p in parts]).sum().round().long()  # whole tokens, summed exactly
-    world = 1
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(tokens)
-        world = torch.distributed.get_world_size()
-    return max(int(tokens), 1) / (len(parts) * world)
+    total, ranks = summed_over_ranks(tokens, trainer)
+    return max(int(total), 1) / (len(parts) * ranks)
 
 
 def micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Completion], advantages: torch.Tensor,
-                  k: int, pad_id: int, loss_type: str, mask_truncated: bool = False) -> list[dict[str, Any]]:
+                  k: int, pad_id: int, loss_type: str, mask_truncated: bool = False,
+                  trainer: Any = None) -> list[dict[str, Any]]:
     """The rollout's N sequences in k contiguous micro-batches (sizes differ by at most one), each packed,
     with its advantages (B,), its accumulation `weight` and, for dapo and cispo, the step's `num_items`."""
     n = len(completions)
@@ -170,7 +170,7 @@ def micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Com
     for part, weight in zip(parts, accumulation_weights(parts, loss_type)):
         part["weight"] = weight
     if loss_type in ("dapo", "cispo"):
-        items = window_items(parts)
+        items = window_items(parts, trainer)
         for part in parts:
             part["num_items"] = items
     return parts

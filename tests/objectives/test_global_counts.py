@@ -20,6 +20,7 @@ ROWS = {0: slice(0, 1), 1: slice(1, 4)}  # uneven: 1 row on rank 0, 3 on rank 1
 OBJECTIVES = {
     "sft": lambda: SFT(arch=ARCH),
     "dpo": lambda: DPO(arch=ARCH),
+    "dpo_rpo_alpha": lambda: DPO(arch=ARCH, rpo_alpha=0.5),
     "orpo": lambda: ORPO(arch=ARCH),
     "simpo": lambda: SimPO(arch=ARCH),
     "reward": lambda: RewardModel(arch=ARCH, center_rewards_coefficient=0.01),

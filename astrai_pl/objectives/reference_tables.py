@@ -1,0 +1,79 @@
+"""Reference log-probabilities computed once before training, kept as tables keyed by each row's `row_index`.
+
+An objective with `precompute_ref_log_probs` (DPO, KTO) scores every row of the train and val splits under the
+initial policy (its LoRA adapter switched off) before the first step, and keeps no reference model: a step reads
+its batch's rows from the table instead of running a second forward. The tables travel in checkpoints, so a
+resumed run reads the same numbers. A data module offers `indexed_loaders()` (every row of each split once, on
+every rank, with the collation of training) for this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from ..checkpoint import CheckpointError
+from ..model.config import ConfigError
+from .base import reference_scope
+
+TABLE_OF_STAGE = {"train": "train", "val": "val", "test": "val"}  # which precomputed table a stage reads
+Scorer = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]  # (model, batch) -> (B, C)
+
+
+@torch.no_grad()
+def reference_table(model: nn.Module, loader: Any, device: torch.device, score: Scorer) -> torch.Tensor:
+    """`score(model, batch)` of every row of `loader`, at its `row_index`, in eval mode.  (N, C)"""
+    was_training = model.training
+    model.eval()
+    table = None
+    try:
+        for batch in loader:
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            scores = score(model, batch).float().cpu()  # (B, C)
+            if table is None:
+                table = torch.full((len(loader.dataset), scores.shape[1]), math.nan)
+            table[batch["row_index"].cpu()] = scores
+    finally:
+        model.train(was_training)
+    assert table is not None and not table.isnan().any(), "the loader did not cover every row index"
+    return table
+
+
+def precompute_tables(objective: Any, score: Scorer) -> dict[str, torch.Tensor]:
+    """One table per split of the objective's data module ("train", "val"), scored by the model as its reference
+    (adapters off) under the trainer's precision. ConfigError when the data module cannot list its rows."""
+    name = type(objective).__name__
+    datamodule = objective.trainer.datamodule
+    if not hasattr(datamodule, "indexed_loaders"):
+        raise ConfigError(f"{name}.precompute_ref_log_probs=True needs a data module with indexed_loaders() "
+                          f"(DPOData, KTOData), got {type(datamodule).__name__}; pass one as the datamodule or "
+                          "set precompute_ref_log_probs to false")
+    with objective.trainer.precision_plugin.forward_context(), reference_scope(objective.model):
+        tables = {split: reference_table(objective.model, loader, objective.device, score)
+                  for split, loader in datamodule.indexed_loaders().items()}
+    sizes = ", ".join(f"{len(t)} {split}" for split, t in tables.items())
+    rank_zero_info(f"{name}: reference log-probabilities precomputed for {sizes} rows")
+    return tables
+
+
+def table_rows(tables: dict[str, torch.Tensor] | None, batch: dict[str, torch.Tensor], stage: str, name: str,
+               device: torch.device) -> torch.Tensor:
+    """The rows of `batch` (its `row_index`) in the table of `stage`.  (B, C)"""
+    if tables is None or "row_index" not in batch:
+        raise ConfigError(f"{name}.precompute_ref_log_probs=True needs its table filled before the first step and "
+                          "batches with 'row_index': pass DPOData / KTOData as the datamodule of fit, validate or "
+                          "test")
+    return tables[TABLE_OF_STAGE[stage]][batch["row_index"].cpu()].to(device)
+
+
+def saved_tables(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The precomputed tables of a checkpoint; CheckpointError when it was trained with a live reference."""
+    if "reference_logps" not in checkpoint:
+        raise CheckpointError("this checkpoint holds no precomputed reference log-probabilities (it was trained "
+                              "with a live reference); resume it with precompute_ref_log_probs false")
+    return checkpoint["reference_logps"]
