@@ -1,0 +1,52 @@
+"""The demo's own checks and data, without training: a post-training stage helps only when it keeps held-out
+accuracy within a point and raises it (or its own figure); DPO's pairs come from the model's own wrong answers;
+SFT's conversations hold follow-up questions, none of them held out."""
+
+import pytest
+
+from astrai_pl.data.synthetic import FOLLOW_UP_EVERY, Problem, generate_rows, is_held_out, policy_pairs
+from astrai_pl.demo import stage_failure
+
+
+@pytest.mark.parametrize("before, after, own, helped", [
+    (0.835, 0.870, False, True),   # held-out accuracy rose
+    (0.835, 0.835, True, True),    # kept, and its own figure rose
+    (0.835, 0.830, True, True),    # half a point lost: within a point, its own figure rose
+    (0.835, 0.835, False, False),  # nothing rose
+    (0.835, 0.810, True, False),   # 2.5 points lost, whatever else rose
+])
+def test_a_stage_helps_only_when_it_keeps_and_raises(capsys, before, after, own, helped):
+    failure = stage_failure("dpo", before, after, "rewards/accuracies above 0.5", own)
+    assert (failure is None) == helped
+    assert f"the stage helped: {'yes' if helped else 'NO'}" in capsys.readouterr().out
+    if after < before - 0.01:
+        assert "fell by 2.5%" in failure
+
+
+def test_policy_pairs_reject_the_models_own_wrong_answers_most_frequent_first():
+    problems = [Problem(2, "+", 3), Problem(9, "-", 4)]
+    samples = [["5", " 6", "6", "7", "5"], ["5", "5"]]  # the second problem: never wrong, no pair
+    rows = policy_pairs(problems, samples, per_problem=2)
+    assert [r["rejected"][0]["content"] for r in rows] == ["6", "7"]
+    assert all(r["chosen"] == [{"role": "assistant", "content": "5"}] for r in rows)
+    assert rows[0]["prompt"] == [{"role": "user", "content": "What is 2 + 3?"}]
+    assert policy_pairs(problems, samples, per_problem=1) == rows[:1]
+    with pytest.raises(ValueError, match="2 problems"):
+        policy_pairs(problems, samples[:1])
+
+
+def test_sft_conversations_ask_follow_ups_from_the_training_split_only():
+    rows = list(generate_rows("sft", 600, seed=5, max_operand=14))
+    assert rows == list(generate_rows("sft", 600, seed=5, max_operand=14))
+    two_turn = [r for r in rows if len(r["messages"]) == 4]
+    assert 600 / FOLLOW_UP_EVERY / 2 < len(two_turn) < 600 / FOLLOW_UP_EVERY * 2
+    assert all(len(r["messages"]) in (2, 4) for r in rows)
+    for row in two_turn:
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant", "user", "assistant"]
+    for row in rows:
+        for question, answer in zip(row["messages"][::2], row["messages"][1::2]):
+            a, op, b = question["content"].removeprefix("What is ").removesuffix("?").split()
+            problem = Problem(int(a), op, int(b))
+            assert answer["content"] == problem.answer and not is_held_out(problem)
+    firsts = [r["messages"][0]["content"] for r in rows]  # the first questions are the problems of the split
+    assert firsts == [r["prompt"][0]["content"] for r in generate_rows("grpo", 600, seed=5, max_operand=14)]
