@@ -3,9 +3,12 @@ accuracy within a point and raises it (or its own figure); DPO's pairs come from
 SFT's conversations hold follow-up questions, none of them held out."""
 
 import pytest
+import torch
 
 from astrai_pl.data.synthetic import FOLLOW_UP_EVERY, Problem, generate_rows, is_held_out, policy_pairs
-from astrai_pl.demo import stage_failure
+from astrai_pl.demo import sampled_answers, stage_failure
+from astrai_pl.model import ModelConfig, Transformer
+from astrai_pl.tokenizer import Tokenizer
 
 
 @pytest.mark.parametrize("before, after, own, helped", [
@@ -50,3 +53,14 @@ def test_sft_conversations_ask_follow_ups_from_the_training_split_only():
             assert answer["content"] == problem.answer and not is_held_out(problem)
     firsts = [r["messages"][0]["content"] for r in rows]  # the first questions are the problems of the split
     assert firsts == [r["prompt"][0]["content"] for r in generate_rows("grpo", 600, seed=5, max_operand=14)]
+
+
+def test_sampled_answers_are_n_per_problem_and_repeat_with_their_seed():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_name("debug"))
+    tokenizer = Tokenizer.byte_level()
+    problems = [Problem(2, "+", 3), Problem(9, "-", 4), Problem(7, "+", 7)]
+    answers = sampled_answers(model, tokenizer, problems, n=3, seed=11)
+    assert [len(group) for group in answers] == [3, 3, 3] and model.training
+    assert answers == sampled_answers(model, tokenizer, problems, n=3, seed=11)
+    assert answers != sampled_answers(model, tokenizer, problems, n=3, seed=12)
