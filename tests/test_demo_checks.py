@@ -5,6 +5,8 @@ SFT's conversations hold follow-up questions, none of them held out."""
 import pytest
 import torch
 
+from astrai_pl.commands import chat_ids
+from astrai_pl.data.formats import encode_rows, infer_sections
 from astrai_pl.data.synthetic import FOLLOW_UP_EVERY, Problem, generate_rows, is_held_out, policy_pairs
 from astrai_pl.demo import sampled_answers, stage_failure
 from astrai_pl.model import ModelConfig, Transformer
@@ -64,3 +66,16 @@ def test_sampled_answers_are_n_per_problem_and_repeat_with_their_seed():
     assert [len(group) for group in answers] == [3, 3, 3] and model.training
     assert answers == sampled_answers(model, tokenizer, problems, n=3, seed=11)
     assert answers != sampled_answers(model, tokenizer, problems, n=3, seed=12)
+
+
+def test_a_follow_up_is_trained_as_chat_asks_it():
+    """The ids `astrai-pl chat` sends for a second question (the conversation through the chat template with its
+    generation prompt) are the start of the SFT row that holds that conversation, its second answer next."""
+    tokenizer = Tokenizer.byte_level()
+    row = next(r for r in generate_rows("sft", 50, seed=1, max_operand=14) if len(r["messages"]) == 4)
+    (encoded,) = encode_rows([row], infer_sections(row, "sft"), tokenizer, "sft")
+    asked = chat_ids(tokenizer, row["messages"][:3])
+    assert encoded["input_ids"][:len(asked)] == asked
+    answer = tokenizer.encode(row["messages"][3]["content"], add_special_tokens=False)
+    assert encoded["input_ids"][len(asked):len(asked) + len(answer)] == answer
+    assert all(encoded["loss_mask"][len(asked):len(asked) + len(answer)])
