@@ -2,13 +2,17 @@
 accuracy within a point and raises it (or its own figure); DPO's pairs come from the model's own wrong answers;
 SFT's conversations hold follow-up questions, none of them held out."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
+from astrai_pl.cli import lightning_main
 from astrai_pl.commands import chat_ids
 from astrai_pl.data.formats import encode_rows, infer_sections
 from astrai_pl.data.synthetic import FOLLOW_UP_EVERY, Problem, generate_rows, is_held_out, policy_pairs
-from astrai_pl.demo import sampled_answers, stage_failure
+from astrai_pl.demo import CONFIGS, sampled_answers, stage_failure, write_policy_pairs
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.tokenizer import Tokenizer
 
@@ -79,3 +83,19 @@ def test_a_follow_up_is_trained_as_chat_asks_it():
     answer = tokenizer.encode(row["messages"][3]["content"], add_special_tokens=False)
     assert encoded["input_ids"][len(asked):len(asked) + len(answer)] == answer
     assert all(encoded["loss_mask"][len(asked):len(asked) + len(answer)])
+
+
+def test_the_dpo_stage_trains_on_the_pairs_its_starting_model_gave(tmp_path):
+    cli = lightning_main(["--config", str(CONFIGS / "dpo" / "debug.yaml"), "--data.init_args.synthetic.train_rows",
+                          "24", "--trainer.default_root_dir", str(tmp_path), "--trainer.max_steps", "2",
+                          "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"],
+                         run=False)
+    path = write_policy_pairs(cli, samples=2, seed=0)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows and cli.datamodule.hparams.path == str(path) and path.parent == Path(cli.trainer.logger.log_dir)
+    train = {p.question for p in cli.datamodule.synthetic.problems("train", 0)}
+    for row in rows:
+        question = row["prompt"][0]["content"]
+        assert question in train and row["chosen"] != row["rejected"]
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 2 and len(cli.datamodule.train_set) + len(cli.datamodule.val_set) == len(rows)
