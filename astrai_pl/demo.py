@@ -142,11 +142,11 @@ def evaluate_stage(record: StageRecord, module, enabled: bool) -> None:
           f"{evaluation_table(record.evaluation)}", flush=True)
 
 
-def training_record(stage: str, cli, result: str, started: float) -> StageRecord:
+def training_record(stage: str, cli, held_out: str, result: str, started: float) -> StageRecord:
     """The StageRecord of a stage whose trainer ran `fit` with a ProgressLines callback."""
     progress = next((c for c in cli.trainer.callbacks if isinstance(c, ProgressLines)), None)
     summary = progress.summary if progress is not None else None
-    return StageRecord(stage, result, time.perf_counter() - started, cli.trainer.global_step,
+    return StageRecord(stage, held_out, result, time.perf_counter() - started, cli.trainer.global_step,
                        summary.tokens_per_sec if summary is not None else None)
 
 
@@ -158,10 +158,10 @@ def held_out_loss(cli) -> float:
 def stage_cli(stage: str, quiet: list[str], init_from: Path | None = None):
     """The objective, data and trainer of configs/<stage>/tiny.yaml, unrun; prints the equivalent command."""
     config = CONFIGS / stage / "tiny.yaml"
-    overrides = [] if init_from is None else ["--model.init_args.init_from", str(init_from)]
+    overrides = ([] if init_from is None else ["--model.init_args.init_from", str(init_from)]) + quiet
     print(f"== {stage}: astrai-pl fit --config {config.relative_to(CONFIGS.parent)} {' '.join(overrides)}",
           flush=True)
-    cli = lightning_main(["--config", str(config), *overrides, *quiet], run=False)
+    cli = lightning_main(["--config", str(config), *overrides], run=False)
     cli.trainer.callbacks.append(ProgressLines(name=stage, metrics=PROGRESS_METRICS.get(stage)))  # prints only
     return cli
 

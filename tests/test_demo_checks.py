@@ -4,6 +4,7 @@ SFT's conversations hold follow-up questions, none of them held out."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,14 @@ from astrai_pl.cli import lightning_main
 from astrai_pl.commands import chat_ids
 from astrai_pl.data.formats import encode_rows, infer_sections
 from astrai_pl.data.synthetic import FOLLOW_UP_EVERY, Problem, generate_rows, is_held_out, policy_pairs
-from astrai_pl.demo import CONFIGS, sampled_answers, stage_failure, write_policy_pairs
+from astrai_pl.demo import (
+    CONFIGS,
+    sampled_answers,
+    stage_failure,
+    stage_table,
+    training_record,
+    write_policy_pairs,
+)
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.tokenizer import Tokenizer
 
@@ -99,3 +107,11 @@ def test_the_dpo_stage_trains_on_the_pairs_its_starting_model_gave(tmp_path):
         assert question in train and row["chosen"] != row["rejected"]
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert cli.trainer.global_step == 2 and len(cli.datamodule.train_set) + len(cli.datamodule.val_set) == len(rows)
+
+
+def test_a_training_stage_records_its_held_out_figure_first():
+    cli = SimpleNamespace(trainer=SimpleNamespace(callbacks=[], global_step=80))
+    record = training_record("dpo", cli, "accuracy 83.5% -> 86.0%", "rewards/accuracies 0.00 -> 0.69", 0.0)
+    assert (record.stage, record.held_out, record.result, record.steps) == (
+        "dpo", "accuracy 83.5% -> 86.0%", "rewards/accuracies 0.00 -> 0.69", 80)
+    assert stage_table([record]).splitlines()[2].split()[:5] == ["dpo", "accuracy", "83.5%", "->", "86.0%"]
