@@ -3,6 +3,7 @@ accuracy within a point and raises it (or its own figure); DPO's pairs come from
 SFT's conversations hold follow-up questions, none of them held out."""
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -98,15 +99,17 @@ def test_the_dpo_stage_trains_on_the_pairs_its_starting_model_gave(tmp_path):
                           "24", "--trainer.default_root_dir", str(tmp_path), "--trainer.max_steps", "2",
                           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"],
                          run=False)
-    path = write_policy_pairs(cli, samples=2, seed=0)
+    path = write_policy_pairs(cli, samples=2, seed=0, epochs=1)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
+    steps = math.ceil(len(rows) / cli.datamodule.hparams.batch_size)  # one pass over the pairs
+    assert cli.trainer.max_steps == steps != 2
     assert rows and cli.datamodule.hparams.path == str(path) and path.parent == Path(cli.trainer.logger.log_dir)
     train = {p.question for p in cli.datamodule.synthetic.problems("train", 0)}
     for row in rows:
         question = row["prompt"][0]["content"]
         assert question in train and row["chosen"] != row["rejected"]
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    assert cli.trainer.global_step == 2 and len(cli.datamodule.train_set) + len(cli.datamodule.val_set) == len(rows)
+    assert cli.trainer.global_step == steps and len(cli.datamodule.train_set) + len(cli.datamodule.val_set) == len(rows)
 
 
 def test_a_training_stage_records_its_held_out_figure_first():
