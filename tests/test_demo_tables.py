@@ -40,19 +40,19 @@ def test_the_evaluation_table_aligns_its_columns():
 def test_the_stage_table_has_a_row_per_stage_and_a_column_per_metric():
     rows = evaluation_rows(RESULTS)
     records = [
-        StageRecord("pretrain", "held-out loss 5.686 -> 2.028", 81.4, 160, 21_432.7, 6.2, rows[1:]),
-        StageRecord("sft", "held-out accuracy 0.0% -> 73.5%", 150.6, 800, 9_876.0, 7.9, rows),
-        StageRecord("generate", "held-out accuracy 75.5%", 3.2),
+        StageRecord("pretrain", "loss 5.686 -> 2.028", "ppl 294.8 -> 7.6", 81.4, 160, 21_432.7, 6.2, rows[1:]),
+        StageRecord("sft", "accuracy 0.0% -> 73.5%", "200 held-out problems", 150.6, 800, 9_876.0, 7.9, rows),
+        StageRecord("generate", "accuracy 75.5%", "200 problems", 3.2),
     ]
     lines = stage_table(records).splitlines()
-    assert lines[0].split() == ["stage", "time", "(s)", "steps", "tokens/s", "eval", "(s)",
+    assert lines[0].split() == ["stage", "held-out", "time", "(s)", "steps", "tokens/s", "eval", "(s)",
                                 "next_sentence", "acc", "next_sentence", "acc_norm",
                                 "arithmetic_small", "exact_match", "result"]
-    assert lines[2].split() == ["pretrain", "81", "160", "21433", "6", "0.5", "0.4545", "held-out", "loss", "5.686",
-                                "->", "2.028"]
-    assert lines[3].split() == ["sft", "151", "800", "9876", "8", "0.5", "0.4545", "0.8125", "held-out", "accuracy",
-                                "0.0%", "->", "73.5%"]
-    assert lines[4].split() == ["generate", "3", "held-out", "accuracy", "75.5%"]
+    assert lines[2].split() == ["pretrain", "loss", "5.686", "->", "2.028", "81", "160", "21433", "6", "0.5",
+                                "0.4545", "ppl", "294.8", "->", "7.6"]
+    assert lines[3].split() == ["sft", "accuracy", "0.0%", "->", "73.5%", "151", "800", "9876", "8", "0.5",
+                                "0.4545", "0.8125", "200", "held-out", "problems"]
+    assert lines[4].split() == ["generate", "accuracy", "75.5%", "3", "200", "problems"]
 
 
 @pytest.mark.parametrize("requested, cores, threads", [("2", {0}, 1), ("1", {0, 1}, 1), ("", {0, 1, 2}, 3),

@@ -1,8 +1,10 @@
 """The built-in post-training task: arithmetic questions from a seeded generator ("What is 37 + 48?" -> "85").
 
-Offered as SFT conversations, DPO pairs (the right answer chosen over a near miss) and GRPO prompts with
-an `answer` column. Whether a problem is held out depends only on the problem itself (a CRC of its
-text), so the `test` split never shares a problem with `train`, whatever the seed or the row count.
+Offered as SFT conversations (about one in FOLLOW_UP_EVERY with a second question after the first
+answer, so a chat model learns to answer a follow-up), DPO pairs (the right answer chosen over a near
+miss; `policy_pairs` builds them from a model's own wrong samples instead) and GRPO prompts with an
+`answer` column. Whether a problem is held out depends only on the problem itself (a CRC of its text),
+so the `test` split never shares a problem with `train`, whatever the seed or the row count.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import operator
 import random
 import re
 import zlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
+from typing import Any
 
 from datasets import Dataset
 
@@ -22,6 +27,7 @@ OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 SPLITS = ("train", "test")
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*")
 NEAR_MISSES = (-10, -2, -1, 1, 2, 10)
+FOLLOW_UP_EVERY = 3  # about one SFT conversation in 3 asks a second question after the first answer
 
 
 @dataclass(frozen=True)
@@ -60,13 +66,16 @@ def problems(
         raise ValueError(f"ops={list(ops)}; use a non-empty subset of {sorted(OPERATORS)}")
     if not 0.0 < held_out_fraction < 1.0:
         raise ValueError(f"held_out_fraction={held_out_fraction}; must lie in (0, 1)")
-    rng = random.Random(f"{seed}:{split}")
-    out: list[Problem] = []
-    while len(out) < n:
+    return list(islice(draw(random.Random(f"{seed}:{split}"), split, ops, max_operand, held_out_fraction), n))
+
+
+def draw(rng: random.Random, split: str, ops: Sequence[str], max_operand: int, held_out_fraction: float
+         ) -> Iterator[Problem]:
+    """Problems of `split` from `rng`, without end."""
+    while True:
         p = Problem(rng.randint(0, max_operand), rng.choice(list(ops)), rng.randint(0, max_operand))
         if is_held_out(p, held_out_fraction) == (split == "test"):
-            out.append(p)
-    return out
+            yield p
 
 
 def wrong_answer(problem: Problem, rng: random.Random) -> str:
@@ -75,11 +84,43 @@ def wrong_answer(problem: Problem, rng: random.Random) -> str:
 
 
 def generate_rows(kind: str, n: int, split: str = "train", seed: int = 0, **options) -> Iterator[dict]:
-    """Rows of one kind: sft {messages}, dpo {prompt, chosen, rejected} (as messages), grpo {prompt, answer}."""
+    """Rows of one kind: sft {messages}, dpo {prompt, chosen, rejected} (as messages), grpo {prompt, answer}.
+
+    An sft row is a conversation of one question, or (one in about FOLLOW_UP_EVERY) of two: a follow-up
+    question of the same split, and its answer, after the first answer."""
     arithmetic_row = row_format(kind).arithmetic_row
     rng = random.Random(f"{seed}:{split}:wrong")  # apart from the problems' generator: rows of every kind agree
+    turns = random.Random(f"{seed}:{split}:follow-up")  # likewise: the first question of row i is the same
+    follow_ups = draw(turns, split, options.get("ops", ("+", "-")), options.get("max_operand", 99),
+                      options.get("held_out_fraction", 0.1))
     for p in problems(n, split, seed, **options):
-        yield arithmetic_row(p.question, p.answer, wrong_answer(p, rng))
+        row = arithmetic_row(p.question, p.answer, wrong_answer(p, rng))
+        if kind == "sft" and turns.randrange(FOLLOW_UP_EVERY) == 0:
+            row = follow_up(row, next(follow_ups))
+        yield row
+
+
+def follow_up(row: dict[str, Any], problem: Problem) -> dict[str, Any]:
+    """A conversation row with `problem` asked and answered after its last turn."""
+    return {**row, "messages": [*row["messages"], {"role": "user", "content": problem.question},
+                                {"role": "assistant", "content": problem.answer}]}
+
+
+def policy_pairs(problems: Sequence[Problem], samples: Sequence[Sequence[str]], per_problem: int = 2
+                 ) -> list[dict[str, Any]]:
+    """DPO rows from a model's own answers (on-policy pairs): for each problem, the right answer chosen over
+    each of its sampled answers that is wrong (by `exact_match`), most frequent first, at most `per_problem`;
+    a problem the model never got wrong gives no row. `samples[i]` are the answers sampled for `problems[i]`.
+
+    Rows are {prompt, chosen, rejected} as messages, as `generate_rows("dpo", …)` writes them."""
+    if len(problems) != len(samples):
+        raise ValueError(f"{len(samples)} lists of samples for {len(problems)} problems")
+    pair = row_format("dpo").arithmetic_row
+    rows = []
+    for problem, answers in zip(problems, samples):
+        wrong = Counter(a.strip() for a in answers if not exact_match(a, problem.answer))
+        rows += [pair(problem.question, problem.answer, a) for a, _ in wrong.most_common(per_problem)]
+    return rows
 
 
 def synthetic_dataset(
