@@ -212,18 +212,16 @@ def sft_stage(quiet: list[str], pretrained: Path, records: list[StageRecord], ev
 
 def stage_failure(stage: str, before: float, after: float, own_claim: str, own_holds: bool,
                   tolerance: float = 0.01) -> str | None:
-    """Why a post-training stage did not help, or None when it did: it must not lose more than `tolerance` of
-    held-out accuracy, and must raise it or make its own claim (`own_claim`, e.g. its validation reward rose)
-    hold. Prints the verdict either way."""
-    kept, rose = after >= before - tolerance, after > before
-    helped = kept and (rose or own_holds)
-    print(f"{stage}: held-out accuracy {before:.1%} -> {after:.1%} ({'rose' if rose else 'did not rise'}); "
-          f"{own_claim}: {'yes' if own_holds else 'no'}; the stage helped: {'yes' if helped else 'NO'}", flush=True)
-    if helped:
-        return None
-    if not kept:
-        return f"{stage}: held-out accuracy fell by {before - after:.1%} ({before:.1%} -> {after:.1%})"
-    return f"{stage}: held-out accuracy did not rise ({before:.1%} -> {after:.1%}) and not: {own_claim}"
+    """Why a post-training stage failed, or None: it fails when it loses more than `tolerance` of held-out
+    accuracy. Prints whether held-out accuracy rose and whether the stage's own claim (`own_claim`, e.g. its
+    validation reward rose) held: whether a stage helps is a matter of the average over seeds (one problem more
+    or less moves the figure by 0.5 to 5.5 points), a fall beyond a point is a failure in any one run."""
+    change = "rose" if after > before else "unchanged" if after == before else f"fell by {before - after:.1%}"
+    failed = after < before - tolerance
+    print(f"{stage}: held-out accuracy {before:.1%} -> {after:.1%} ({change}); {own_claim}: "
+          f"{'yes' if own_holds else 'no'}; within a point of where it started or above: {'NO' if failed else 'yes'}",
+          flush=True)
+    return f"{stage}: held-out accuracy fell by {before - after:.1%} ({before:.1%} -> {after:.1%})" if failed else None
 
 
 def logged(cli, name: str) -> list[float]:

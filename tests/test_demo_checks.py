@@ -26,19 +26,21 @@ from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.tokenizer import Tokenizer
 
 
-@pytest.mark.parametrize("before, after, own, helped", [
-    (0.835, 0.870, False, True),   # held-out accuracy rose
-    (0.835, 0.835, True, True),    # kept, and its own figure rose
-    (0.835, 0.830, True, True),    # half a point lost: within a point, its own figure rose
-    (0.835, 0.835, False, False),  # nothing rose
-    (0.835, 0.810, True, False),   # 2.5 points lost, whatever else rose
+@pytest.mark.parametrize("before, after, own, failed", [
+    (0.835, 0.870, False, False),  # held-out accuracy rose
+    (0.835, 0.835, True, False),   # kept, and its own figure rose
+    (0.835, 0.830, True, False),   # half a point lost: within a point
+    (0.835, 0.835, False, False),  # nothing rose: a matter of the average over seeds, not of one run
+    (0.835, 0.810, True, True),    # 2.5 points lost, whatever else rose
 ])
-def test_a_stage_helps_only_when_it_keeps_and_raises(capsys, before, after, own, helped):
+def test_a_stage_fails_when_it_loses_more_than_a_point(capsys, before, after, own, failed):
     failure = stage_failure("dpo", before, after, "rewards/accuracies above 0.5", own)
-    assert (failure is None) == helped
-    assert f"the stage helped: {'yes' if helped else 'NO'}" in capsys.readouterr().out
-    if after < before - 0.01:
-        assert "fell by 2.5%" in failure
+    assert (failure is not None) == failed
+    out = capsys.readouterr().out
+    assert f"within a point of where it started or above: {'NO' if failed else 'yes'}" in out
+    assert f"rewards/accuracies above 0.5: {'yes' if own else 'no'}" in out
+    if failed:
+        assert "fell by 2.5%" in failure and "fell by 2.5%" in out
 
 
 def test_policy_pairs_reject_the_models_own_wrong_answers_most_frequent_first():
