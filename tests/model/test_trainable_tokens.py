@@ -126,3 +126,29 @@ def test_a_peft_written_token_adapter_loads_here_with_peft_s_logits(tmp_path):
     ours = Transformer.from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter").eval()
     x = ids(ours)
     torch.testing.assert_close(ours(x).logits, theirs(x).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("lora", [dict(target_modules=["q_proj"], trainable_token_indices=TOKENS),
+                                  dict(target_modules=["lm_head"])])
+def test_the_training_loss_is_that_of_the_adapted_output_layer_and_trains_it(lora):
+    """The fused loss reads the output layer's weight: it must be the one with the trained rows in, and a
+    LoRA-adapted lm_head must not be fused past (its update would get no gradient)."""
+    from astrai_pl.model import ModelConfig
+    from astrai_pl.objectives import SFT
+
+    torch.manual_seed(0)
+    module = SFT(arch=ModelConfig.from_name("debug", tie_word_embeddings=True), lora=LoraConfig(r=4, **lora))
+    trained = [p for p in module.model.parameters() if p.requires_grad and p.ndim == 2]
+    with torch.no_grad():
+        for p in trained:
+            p.add_(torch.randn_like(p) * 0.5)  # off the base, so the loss tells the adapted head from the base's
+    ids = torch.randint(0, 320, (2, 12))
+    ids[:, 3] = 4
+    loss, _ = module.next_token_loss({"input_ids": ids, "labels": ids})
+    logits = module.model(ids).logits
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 320), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=0)
+    loss.backward()
+    head = module.model.lm_head
+    output_side = head.lora_B.weight if lora["target_modules"] == ["lm_head"] else module.model.embed_tokens.token_rows
+    assert output_side.grad is not None and output_side.grad.abs().sum() > 0
