@@ -44,8 +44,13 @@ from torch import nn
 
 from .config import ConfigError
 from .layers import Linear
-from .trainable_tokens import (EMBEDDING, add_trainable_tokens, check_token_indices, remove_trainable_tokens,
-                               token_modules)
+from .trainable_tokens import (
+    EMBEDDING,
+    add_trainable_tokens,
+    check_token_indices,
+    remove_trainable_tokens,
+    token_modules,
+)
 
 ALL_LINEAR = "all-linear"
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for llama, mistral, qwen2/3, mixtral

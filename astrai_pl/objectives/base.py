@@ -21,10 +21,16 @@ from ..checkpoint.loading import meta_transformer, weights_fingerprint
 from ..checkpoint.lora_base import base_record
 from ..deferred_init import check_meta_build, materialize, meta_skeleton, on_meta
 from ..model import ConfigError, LoraConfig, ModelConfig
-from ..model.lora import (LoraLinear, adapter_state, adapters_disabled, apply_lora, merge_lora,
-                          trainable_summary)
-from ..model.trainable_tokens import TokenHead
+from ..model.lora import (
+    LoraLinear,
+    adapter_state,
+    adapters_disabled,
+    apply_lora,
+    merge_lora,
+    trainable_summary,
+)
 from ..model.nf4 import check_quantize, quantize_base
+from ..model.trainable_tokens import TokenHead
 from ..parallel import (
     ActivationCheckpointing,
     check_activation_checkpointing,
