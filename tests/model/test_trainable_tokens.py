@@ -152,3 +152,16 @@ def test_the_training_loss_is_that_of_the_adapted_output_layer_and_trains_it(lor
     head = module.model.lm_head
     output_side = head.lora_B.weight if lora["target_modules"] == ["lm_head"] else module.model.embed_tokens.token_rows
     assert output_side.grad is not None and output_side.grad.abs().sum() > 0
+
+
+def test_a_quoted_number_on_the_command_line_stays_a_token_string():
+    """`["0", 4]`: the token "0" and the id 4; read as ids both, the run would train the wrong rows."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--lora", type=LoraConfig)
+    lora = parser.instantiate_classes(parser.parse_args(["--lora", '{"trainable_token_indices": ["0", 4]}'])).lora
+    assert lora.trainable_token_indices == ["0", 4]
+    model = our_model("llama")
+    apply_lora(model, lora, Tokenizer.byte_level())
+    assert model.lora_config.trainable_token_indices == [4, Tokenizer.byte_level().token_to_id("0")]
