@@ -31,6 +31,9 @@ def test_every_shipped_config_parses_and_instantiates(config):
     lora = yaml.safe_load(config.read_text())["model"]["init_args"].get("lora")
     if lora is not None:  # every LoraConfig field spelled out, and the adapter is what the model trains
         assert set(lora) == {f.name for f in dataclasses.fields(LoraConfig)}
+        tokens = lora.get("trainable_token_indices")  # token strings are kept as the tokenizer's ids
+        if tokens is not None:
+            lora["trainable_token_indices"] = sorted(cli.datamodule.tokenizer.token_to_id(t) for t in tokens)
         assert cli.model.model.lora_config == LoraConfig(**lora)
 
 

@@ -36,9 +36,11 @@ PEFT_PREFIX = "base_model.model."
 
 # PEFT options that change what an adapter computes, with the value under which they change nothing.
 _NEUTRAL = {"use_dora": False, "lora_bias": False, "fan_in_fan_out": False, "layers_to_transform": None,
-            "layer_replication": None, "rank_pattern": {}, "alpha_pattern": {}, "trainable_token_indices": None,
+            "layer_replication": None, "rank_pattern": {}, "alpha_pattern": {},
             "target_parameters": None, "exclude_modules": None, "use_qalora": False, "alora_invocation_tokens": None}
-_OURS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "modules_to_save", "bias")
+_OURS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "modules_to_save", "bias",
+         "trainable_token_indices")
+TOKEN_ROWS = "token_adapter.trainable_tokens_delta"  # PEFT's name of the trainable tokens' rows
 
 
 def is_adapter_dir(path: str | Path) -> bool:
@@ -51,6 +53,8 @@ def _peft_key(key: str, model_type: str) -> str:
         if part in key:
             module, _, rest = key.partition(part)
             return f"{PEFT_PREFIX}{hf_module_name(module, model_type)}{part}{rest}"
+    if key == "embed_tokens.token_rows":
+        return f"{PEFT_PREFIX}{hf_module_name('embed_tokens', model_type)}.{TOKEN_ROWS}"
     return PEFT_PREFIX + hf_name(key, model_type)
 
 
@@ -79,7 +83,7 @@ def adapter_config_json(model: nn.Module, base_model_name_or_path: str | None = 
         "r": lora.r, "lora_alpha": lora.lora_alpha, "lora_dropout": lora.lora_dropout,
         "target_modules": sorted(hf_module_name(n, cfg.model_type) for n, _ in lora_modules(model)),
         "use_rslora": lora.use_rslora, "modules_to_save": lora.modules_to_save, "bias": lora.bias,
-        "init_lora_weights": True, **_NEUTRAL,
+        "init_lora_weights": True, **_NEUTRAL, "trainable_token_indices": lora.trainable_token_indices,
     }
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import math
 import re
@@ -43,6 +44,13 @@ from torch import nn
 
 from .config import ConfigError
 from .layers import Linear
+from .trainable_tokens import (
+    EMBEDDING,
+    add_trainable_tokens,
+    check_token_indices,
+    remove_trainable_tokens,
+    token_modules,
+)
 
 ALL_LINEAR = "all-linear"
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for llama, mistral, qwen2/3, mixtral
@@ -72,6 +80,11 @@ class LoraConfig:
     """Whole modules trained besides the adapters (e.g. ["lm_head"]), saved in full in the adapter."""
     bias: str = "none"
     """Which biases train: only "none" (PEFT's default) is supported."""
+    trainable_token_indices: list[str | int] | dict[str, list[str | int]] | None = None
+    """Tokens whose embedding rows train (the rest of the embedding stays frozen), e.g. a chat template's
+    special tokens: ids (numbers) or token strings (quoted: "0" is the token 0, not id 0; resolved with the
+    run's tokenizer), as a list or {embed_tokens: [...]}.
+    With tied embeddings the output layer uses the same rows (trainable_tokens.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -99,6 +112,7 @@ class LoraConfig:
         saved = self.modules_to_save
         if saved is not None and not (isinstance(saved, (list, tuple)) and all(isinstance(m, str) for m in saved)):
             raise ConfigError(f"{_FIELD}.modules_to_save={saved!r}: give a list of module names, e.g. [lm_head]")
+        check_token_indices(self.trainable_token_indices)
 
     @property
     def scaling(self) -> float:
@@ -263,9 +277,10 @@ def _check_rank(model: nn.Module, lora: LoraConfig, targets: list[str]) -> None:
                           f"allows, where an update B·A has rank at most {bound}; give r <= {bound} (e.g. 8 or 16)")
 
 
-def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
-    """Freeze every parameter of `model`, then give each targeted projection a trainable adapter and make the
-    `modules_to_save` trainable (their original weights kept aside for `adapters_disabled`)."""
+def apply_lora(model: nn.Module, lora: LoraConfig, tokenizer: Any = None) -> None:
+    """Freeze every parameter of `model`, then give each targeted projection a trainable adapter, make the
+    `modules_to_save` trainable (their original weights kept aside for `adapters_disabled`) and the rows of the
+    `trainable_token_indices` (token strings resolved with `tokenizer`; the config kept holds their ids)."""
     if getattr(model, "lora_config", None) is not None:
         raise ConfigError(f"{_FIELD}: this model already has an adapter; merge it first (merge_lora) or load the "
                           "base without it")
@@ -280,6 +295,12 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> None:
         for pname, p in model.get_submodule(name).named_parameters():
             originals[f"{name}.{pname}"] = p.detach().clone()
             p.requires_grad_(True)
+    if lora.trainable_token_indices is not None:
+        if {"embed_tokens", "lm_head"} & {n.rsplit(".", 1)[-1] for n in saved}:
+            raise ConfigError(f"{_FIELD}: modules_to_save={lora.modules_to_save!r} trains the embedding whole; "
+                              "leave it out there, or leave trainable_token_indices out")
+        ids = add_trainable_tokens(model, lora.trainable_token_indices, tokenizer)
+        lora = dataclasses.replace(lora, trainable_token_indices=ids)
     model.lora_config = lora
     model.__dict__["lora_originals"] = originals  # outside the module tree: not in state_dict or parameters
 
@@ -289,10 +310,11 @@ def lora_modules(model: nn.Module) -> list[tuple[str, LoraLinear]]:
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What an adapter consists of, under our state-dict keys: each lora_A/lora_B weight and every parameter
-    of the modules_to_save."""
+    """What an adapter consists of, under our state-dict keys: each lora_A/lora_B weight, every parameter
+    of the modules_to_save and the trainable tokens' rows."""
     saved = getattr(model, "lora_originals", {})
-    return {k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k or k in saved}
+    return {k: v for k, v in model.state_dict().items()
+            if ".lora_A." in k or ".lora_B." in k or k in saved or k == f"{EMBEDDING}.token_rows"}
 
 
 @contextlib.contextmanager
@@ -304,7 +326,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     modules_to_save of a sharded (FSDP2 or tensor-parallel) model, whose compute reads gathered copies that such a
     swap does not reach (the reference would silently keep the trained modules); used in the training thread only.
     """
-    modules = [m for _, m in lora_modules(model)]
+    modules = [m for _, m in lora_modules(model)] + token_modules(model)
     originals = getattr(model, "lora_originals", {})
     params = dict(model.named_parameters()) if originals else {}  # only modules_to_save need looking up
     swapped = [(params[k], v) for k, v in originals.items()]
@@ -334,6 +356,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
         plain.weight = nn.Parameter(module.merged_weight().detach())
         plain.bias = module.bias
         _set_module(model, name, plain)
+    remove_trainable_tokens(model, keep=True)
     for p in model.parameters():
         p.requires_grad_(not hasattr(p, "get_original_weight"))
     model.lora_config = None
@@ -349,6 +372,8 @@ def base_of(model: nn.Module) -> nn.Module:
     with torch.no_grad():
         for _, module in lora_modules(base):
             module.lora_B.weight.zero_()  # W + s·B·A with B = 0: the base weight, exactly
+        for module in token_modules(base):
+            module.token_rows.copy_(module.weight[module.token_indices])  # the base's own rows
         for key, original in getattr(base, "lora_originals", {}).items():
             params[key].copy_(original)
     return merge_lora(base)

@@ -177,6 +177,10 @@ def read_checked(model: nn.Module, path: str | Path) -> tuple[LoraConfig, dict[s
         raise CheckpointError(f"{where}: modules_to_save={lora.modules_to_save!r}: whole modules per adapter "
                               "cannot share a batch with other adapters. Fix: merge it (astrai-pl convert "
                               "--merge-lora) and serve the merged model")
+    if lora.trainable_token_indices:
+        raise CheckpointError(f"{where}: trainable_token_indices={lora.trainable_token_indices!r}: rows of the "
+                              "embedding per adapter cannot share a batch with other adapters. Fix: merge it "
+                              "(astrai-pl convert --merge-lora) and serve the merged model")
     if any(name == "lm_head" for name, _ in lora_modules(shell)):
         raise CheckpointError(f"{where}: target_modules adapt lm_head, which per-row adapters do not cover. Fix: "
                               "target the attention and MLP projections, or merge it and serve the merged model")

@@ -21,8 +21,16 @@ from ..checkpoint.loading import meta_transformer, weights_fingerprint
 from ..checkpoint.lora_base import base_record
 from ..deferred_init import check_meta_build, materialize, meta_skeleton, on_meta
 from ..model import ConfigError, LoraConfig, ModelConfig
-from ..model.lora import adapter_state, adapters_disabled, apply_lora, merge_lora, trainable_summary
+from ..model.lora import (
+    LoraLinear,
+    adapter_state,
+    adapters_disabled,
+    apply_lora,
+    merge_lora,
+    trainable_summary,
+)
 from ..model.nf4 import check_quantize, quantize_base
+from ..model.trainable_tokens import TokenHead
 from ..parallel import (
     ActivationCheckpointing,
     check_activation_checkpointing,
@@ -189,7 +197,7 @@ class Objective(L.LightningModule, ABC):
                 self.base_record = base_record(init_from, self.base_fingerprint)
             if quantize is not None:  # after a loaded adapter is merged; already NF4 when read from a directory
                 quantize_base(self.model)
-            apply_lora(self.model, as_lora(lora))
+            apply_lora(self.model, as_lora(lora), tokenizer)  # token strings resolved with it
             self.strict_loading = False  # checkpoints hold the adapter only; on_load_checkpoint checks it
         self.tokenizer = tokenizer
         self.optimizer_fn, self.scheduler_fn = optimizer, scheduler
@@ -335,8 +343,10 @@ class Objective(L.LightningModule, ABC):
         targets = next_token_labels(batch["labels"])
         tokens = (targets != IGNORE_INDEX).sum()
         normalizer = self.accumulation_scale(batch, tokens)
-        weight = self.model.lm_head.weight
-        if is_dtensor(weight) or getattr(self.model.lm_head, "softcap", None) is not None:  # capped: not fusable
+        head = self.model.lm_head
+        weight = head.merged_weight() if isinstance(head, TokenHead) else head.weight  # trained token rows in
+        # a capped head is not fusable, nor a LoRA-adapted one (the fused loss would read its base weight only)
+        if is_dtensor(weight) or getattr(head, "softcap", None) is not None or isinstance(head, LoraLinear):
             loss, metrics = cross_entropy(self.model.lm_head(hidden), targets, label_smoothing=label_smoothing,
                                           normalizer=normalizer)
         else:
