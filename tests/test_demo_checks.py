@@ -16,6 +16,7 @@ from astrai_pl.data.formats import encode_rows, infer_sections
 from astrai_pl.data.synthetic import FOLLOW_UP_EVERY, Problem, generate_rows, is_held_out, policy_pairs
 from astrai_pl.demo import (
     CONFIGS,
+    report_failures,
     sampled_answers,
     stage_failure,
     stage_table,
@@ -120,3 +121,13 @@ def test_a_training_stage_records_its_held_out_figure_first():
     assert (record.stage, record.held_out, record.result, record.steps) == (
         "dpo", "accuracy 83.5% -> 86.0%", "rewards/accuracies 0.00 -> 0.69", 80)
     assert stage_table([record]).splitlines()[2].split()[:5] == ["dpo", "accuracy", "83.5%", "->", "86.0%"]
+
+
+def test_a_lost_point_is_reported_and_fails_the_demo_only_when_strict(capsys):
+    failure = "dpo: held-out accuracy fell by 2.5% (83.5% -> 81.0%)"
+    report_failures([], strict=True)  # nothing lost: nothing said
+    assert capsys.readouterr().out == ""
+    report_failures([failure], strict=False)
+    assert failure in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="fell by 2.5%"):
+        report_failures([failure], strict=True)
