@@ -27,7 +27,7 @@ from .base import Objective, check_reference_fingerprint, frozen_copy, reference
 from .logprobs import IGNORE_INDEX, hidden_logprobs, sequence_logprobs
 from .losses import dpo_loss
 from .options import check_dpo_options
-from .reference_tables import precompute_tables, saved_tables, table_rows
+from .reference_tables import prepared_tables, saved_tables, table_rows
 from .shared_prompt import pair_hidden_states
 
 SIDES = ("chosen", "rejected")
@@ -125,8 +125,8 @@ class DPO(Objective):
             self.reference.to(device=policy.device, dtype=policy.dtype)
 
     def prepare_reference(self) -> None:
-        if self.hparams.precompute_ref_log_probs and self.reference_logps is None:
-            self.reference_logps = precompute_tables(self, pair_scores)
+        if self.hparams.precompute_ref_log_probs:
+            self.reference_logps = prepared_tables(self, self.reference_logps, pair_scores)
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

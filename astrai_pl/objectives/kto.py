@@ -28,7 +28,7 @@ from .base import Objective, check_reference_fingerprint, frozen_copy, reference
 from .logprobs import sequence_logprobs, token_logprobs
 from .options import check_kto_options
 from .preference_losses import kto_loss
-from .reference_tables import precompute_tables, saved_tables, table_rows
+from .reference_tables import prepared_tables, saved_tables, table_rows
 
 
 def example_logps(model: nn.Module, batch: dict[str, torch.Tensor], kl: bool) -> tuple[torch.Tensor, ...]:
@@ -100,8 +100,8 @@ class KTO(Objective):
         return torch.stack(example_logps(model, batch, self.loss_type == "kto"), dim=1)  # (B, 1 or 2)
 
     def prepare_reference(self) -> None:
-        if self.hparams.precompute_ref_log_probs and self.reference_logps is None:
-            self.reference_logps = precompute_tables(self, self._example_scores)
+        if self.hparams.precompute_ref_log_probs:
+            self.reference_logps = prepared_tables(self, self.reference_logps, self._example_scores)
 
     @torch.no_grad()
     def _reference_logps(self, batch: dict[str, torch.Tensor], kl: bool, stage: str) -> tuple[torch.Tensor, ...]:

@@ -44,18 +44,42 @@ def reference_table(model: nn.Module, loader: Any, device: torch.device, score: 
     return table
 
 
-def precompute_tables(objective: Any, score: Scorer) -> dict[str, torch.Tensor]:
-    """One table per split of the objective's data module ("train", "val"), scored by the model as its reference
-    (adapters off) under the trainer's precision. ConfigError when the data module cannot list its rows."""
-    name = type(objective).__name__
+def prepared_tables(objective: Any, tables: dict[str, torch.Tensor] | None, score: Scorer
+                    ) -> dict[str, torch.Tensor]:
+    """The objective's tables before its first step: scored now (`precompute_tables`), or, when it already holds
+    some (read from a checkpoint), those, once they are found to have one row per row of its data's splits."""
+    loaders = indexed_loaders(objective)
+    if tables is None:
+        return precompute_tables(objective, loaders, score)
+    for split, loader in loaders.items():
+        table = tables.get(split) if isinstance(tables, dict) else None
+        if not (isinstance(table, torch.Tensor) and table.is_floating_point() and table.dim() == 2
+                and len(table) == len(loader.dataset) and bool(table.isfinite().all())):
+            held = f"a table of shape {tuple(table.shape)}" if isinstance(table, torch.Tensor) else repr(type(table))
+            raise CheckpointError(f"the checkpoint's precomputed reference log-probabilities for the {split} split "
+                                  f"are {held}, and the data has {len(loader.dataset)} rows there (finite floats, "
+                                  "one row each): it was trained on other data, or the file is damaged. Fix: "
+                                  "resume with the data it was trained on, or start a new run")
+    return tables
+
+
+def indexed_loaders(objective: Any) -> dict[str, Any]:
+    """Every row of each split of the objective's data module, once; ConfigError when it cannot list them."""
     datamodule = objective.trainer.datamodule
     if not hasattr(datamodule, "indexed_loaders"):
-        raise ConfigError(f"{name}.precompute_ref_log_probs=True needs a data module with indexed_loaders() "
-                          f"(DPOData, KTOData), got {type(datamodule).__name__}; pass one as the datamodule or "
-                          "set precompute_ref_log_probs to false")
+        raise ConfigError(f"{type(objective).__name__}.precompute_ref_log_probs=True needs a data module with "
+                          f"indexed_loaders() (DPOData, KTOData), got {type(datamodule).__name__}; pass one as the "
+                          "datamodule or set precompute_ref_log_probs to false")
+    return datamodule.indexed_loaders()
+
+
+def precompute_tables(objective: Any, loaders: dict[str, Any], score: Scorer) -> dict[str, torch.Tensor]:
+    """One table per split (`loaders`: "train", "val"), scored by the model as its reference (adapters off) under
+    the trainer's precision."""
+    name = type(objective).__name__
     with objective.trainer.precision_plugin.forward_context(), reference_scope(objective.model):
         tables = {split: reference_table(objective.model, loader, objective.device, score)
-                  for split, loader in datamodule.indexed_loaders().items()}
+                  for split, loader in loaders.items()}
     sizes = ", ".join(f"{len(t)} {split}" for split, t in tables.items())
     rank_zero_info(f"{name}: reference log-probabilities precomputed for {sizes} rows")
     return tables

@@ -2,6 +2,9 @@
 computed once before training, give the losses, the trained weights and the validation loss of a live frozen
 reference; no reference forward runs in a training step, and the tables travel in checkpoints."""
 
+import math
+from types import SimpleNamespace
+
 import lightning as L
 import pytest
 import torch
@@ -12,6 +15,7 @@ from astrai_pl.data import Arithmetic, KTOData
 from astrai_pl.model import ModelConfig
 from astrai_pl.objectives import KTO
 from astrai_pl.objectives import kto as kto_module
+from astrai_pl.objectives.reference_tables import prepared_tables
 
 ARCH = ModelConfig.from_name("debug", hidden_size=32, intermediate_size=64, num_hidden_layers=1)
 SMALL = Arithmetic(train_rows=24, test_rows=8)
@@ -79,3 +83,18 @@ def test_the_tables_travel_in_checkpoints_and_a_live_checkpoint_is_refused():
     del checkpoint["reference_logps"]
     with pytest.raises(CheckpointError, match="no precomputed reference log-probabilities"):
         KTO(arch=ARCH, precompute_ref_log_probs=True).on_load_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize("tables", [
+    {"train": torch.randn(5, 2), "val": torch.randn(2, 2)},           # saved from other data: 5 rows, not 6
+    {"train": torch.randn(6, 2)},                                     # a split missing
+    {"train": torch.randn(6, 2), "val": torch.full((3, 2), math.nan)},  # damaged
+    {"train": [[0.0, 0.0]] * 6, "val": torch.randn(3, 2)},            # not a tensor
+])
+def test_a_resumed_table_that_does_not_fit_the_data_is_refused(tables):
+    loaders = {"train": SimpleNamespace(dataset=range(6)), "val": SimpleNamespace(dataset=range(3))}
+    objective = SimpleNamespace(trainer=SimpleNamespace(datamodule=SimpleNamespace(indexed_loaders=lambda: loaders)))
+    with pytest.raises(CheckpointError, match="resume with the data it was trained on"):
+        prepared_tables(objective, tables, score=None)
+    fitting = {"train": torch.randn(6, 2), "val": torch.randn(3, 2)}
+    assert prepared_tables(objective, fitting, score=None) is fitting  # kept as read, not scored again
