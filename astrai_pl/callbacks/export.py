@@ -31,15 +31,16 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def export_pretrained(
     model: Transformer, path: str | Path, tokenizer: Any = None, is_writer: bool = True, *,
     base: str | None = None, base_folder: str | Path | None = None,
-) -> None:  # fmt: skip
+) -> str | None:  # fmt: skip
     """Write `model` as a Hugging Face folder, whatever its layout (plain, compiled, checkpointed, sharded); a
     model with a LoRA adapter as the PEFT adapter directory its save_pretrained writes. With `base_folder`, the
     adapter names a base PEFT loads in one call, as `astrai-pl convert` does (`checkpoint.lora_base.peft_base`):
     `base` (the run's init_from) where that is a Hugging Face directory or a Hub id, else the base written into
-    `base_folder`."""
+    `base_folder`. Returns the base it named (None: no adapter, or not the writer), which a later export of the
+    same run passes as `base` so that the frozen base is not written again."""
     state = full_state_dict(model)
     if not is_writer:
-        return
+        return None
     plain = Transformer(model.config)
     adapted = getattr(model, "lora_config", None) is not None
     if adapted:
@@ -47,10 +48,12 @@ def export_pretrained(
         originals = getattr(model, "lora_originals", {})  # modules_to_save as the base had them
         plain.__dict__["lora_originals"] = {k: v.detach().cpu() for k, v in originals.items()}
     plain.load_state_dict(state)
+    named = None
     if adapted and base_folder is not None:
         plain.__dict__["adapter_extra"] = {"base_model_name_or_path": base}
-        peft_base(plain, Path(base_folder), tokenizer, overwrite=True)
+        named = peft_base(plain, Path(base_folder), tokenizer, overwrite=True)
     plain.save_pretrained(path, tokenizer=tokenizer, overwrite=True)  # the callback's own step-N and final
+    return named
 
 
 class HFExport(L.Callback):
@@ -84,6 +87,7 @@ class HFExport(L.Callback):
             at_end,
         )
         self._step_seen = -1
+        self._base: str | None = None  # the base this run's first adapter export named (a LoRA base is frozen)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._step_seen = trainer.global_step  # exports happen when an optimizer step completes
@@ -93,8 +97,9 @@ class HFExport(L.Callback):
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "hf"
         path = self.dirpath / name
         record = getattr(pl_module, "base_record", None) or {}  # a LoRA run's base: its init_from
-        export_pretrained(pl_module.model, path, getattr(pl_module, "tokenizer", None), trainer.is_global_zero,
-                          base=record.get("init_from"), base_folder=self.dirpath / "base")
+        self._base = export_pretrained(pl_module.model, path, getattr(pl_module, "tokenizer", None),
+                                       trainer.is_global_zero, base=self._base or record.get("init_from"),
+                                       base_folder=self.dirpath / "base") or self._base
         trainer.strategy.barrier("hf_export")
         return path
 

@@ -71,3 +71,22 @@ def test_a_lora_runs_export_names_its_hugging_face_init_from(tmp_path):
     _, config = lora_fit(tmp_path, tmp_path / "base")
     assert config["base_model_name_or_path"] == str((tmp_path / "base").resolve())
     assert not (tmp_path / "hf" / "base").exists()  # no second copy of a base PEFT already reads
+
+
+def test_a_lora_run_writes_its_base_once_for_all_its_exports(tmp_path, monkeypatch):
+    from test_lora_base import pretrain_run
+
+    from astrai_pl.model import lora
+
+    ckpt = pretrain_run(tmp_path / "runs", 0, seed=3)  # a .ckpt: the base is written beside the exports
+    writes, base_of = [], lora.base_of
+    monkeypatch.setattr(lora, "base_of", lambda model: writes.append(1) or base_of(model))
+    torch.manual_seed(0)
+    module = Pretrain(init_from=str(ckpt), lora=LORA, tokenizer=Tokenizer.byte_level())
+    export = HFExport(dirpath=str(tmp_path / "hf"), every_n_train_steps=1)
+    quiet_trainer(max_steps=3, callbacks=[export]).fit(module, train_dataloaders=_batches())
+    exports = sorted(p.name for p in (tmp_path / "hf").iterdir() if p.name != "base")
+    assert len(exports) == 4 and len(writes) == 1  # three steps and the final one; the frozen base written once
+    for name in exports:
+        config = json.loads((tmp_path / "hf" / name / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str((tmp_path / "hf" / "base").resolve())
