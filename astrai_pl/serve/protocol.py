@@ -197,6 +197,7 @@ class Call:
 
     object = ""
     chunk_object = ""
+    salted = False  # True: its cache salt is already its session's (sessions_api.py), not the key's and body's
 
     def __init__(self, state, body: SamplingFields, prompts: list[list[int]], params: SamplingParams):
         self.tokenizer, self.model, self.prompts, self.params = state.tokenizer, state.model_name, prompts, params
