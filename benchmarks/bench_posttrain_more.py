@@ -246,14 +246,19 @@ CASES = {  # name: (build the pair of steps, its measure, the peer's trainer, ta
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def duel_parser(description: str, cases: dict) -> argparse.ArgumentParser:
+    """The options a TRL duel benchmark takes: --reps, --budget, --only (a subset of `cases`), --json."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--reps", type=int, default=5, help="timed steps per side, interleaved")
     parser.add_argument("--budget", type=float, default=45, help="seconds per objective after which no new "
                         "round starts (at least 3 rounds)")
-    parser.add_argument("--only", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--only", nargs="+", choices=list(cases), default=list(cases))
     parser.add_argument("--json", default=None, help="also write the rows here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = duel_parser(__doc__.splitlines()[0], CASES).parse_args()
     setup()
     warnings.filterwarnings("ignore")
     command = command_line()

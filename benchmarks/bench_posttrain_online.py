@@ -28,7 +28,6 @@ step gets the left-padded prompts as that collator gives them, built here.
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_posttrain import adamw, import_trl, random_ids, ready, trl_args  # noqa: E402
-from bench_posttrain_more import EOS, even_share, hf_causal, text, word_tokenizer  # noqa: E402
+from bench_posttrain_more import EOS, duel_parser, even_share, hf_causal, text, word_tokenizer  # noqa: E402
 from harness import command_line, duel, duels, emit, row_from, save, setup  # noqa: E402
 
 
@@ -245,12 +244,7 @@ SIZES = {"small": (4, 4, 48), "debug": (2, 2, 8)}  # prompts, group, new tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5, help="timed steps per side, interleaved")
-    parser.add_argument("--budget", type=float, default=45, help="seconds per objective after which no new "
-                        "round starts (at least 3 rounds)")
-    parser.add_argument("--only", nargs="+", choices=list(CASES), default=list(CASES))
-    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser = duel_parser(__doc__.splitlines()[0], CASES)
     parser.add_argument("--dry-run", action="store_true", help="the `debug` preset, 2 prompts x 8 tokens, 1 round, "
                         "no warm-up: checks that every duel runs and does equal work (its ratios mean nothing)")
     args = parser.parse_args(argv)

@@ -100,6 +100,8 @@ def _speculative(text: str) -> SpeculativeConfig:
         return SpeculativeConfig.from_json(text)
     except EngineConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def load_lora_modules(engine, base_name: str, specs: list[str]) -> None:
     """Load each `--lora-modules` value (name=DIR or JSON) as an adapter of `engine`."""
     for spec in specs:

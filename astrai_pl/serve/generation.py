@@ -324,7 +324,7 @@ async def generate(request: Request, state: ServerState, parse, start=Generation
     raw = await read_json(request)
     call = await parse(raw, state)
     route_to_adapter(state, call, raw)
-    if not getattr(call, "salted", False):  # a session's turn carries its session's salt
+    if not call.salted:  # a session's turn carries its session's salt
         call.params.cache_salt = join_salts(getattr(request.state, "key_salt", None), call.params.cache_salt)
     state.admit()
     try:

@@ -6,8 +6,9 @@
 
 A known field of the wrong type is refused (400, `param` naming it); fields OpenAI has and this server has
 no use for are ignored (`user`, `service_tier`, `store`, …); ones whose effect it cannot give are refused
-rather than silently dropped (`suffix`, `best_of`, tools). Output constraints (`response_format`, vLLM's
-`structured_outputs`, `logit_bias`, `min_tokens`, `bad_words`) are read by `structured.constraint_fields`.
+rather than silently dropped (`suffix`, `best_of`, tools a chat template cannot write). Tools and tool calls
+are read by `tools.py`; output constraints (`response_format`, vLLM's `structured_outputs`, `logit_bias`,
+`min_tokens`, `bad_words`) by `structured.constraint_fields`.
 Choice i of prompt p is choice p·n + i, as OpenAI numbers them.
 
 Special tokens written as text are parsed as special tokens, in a prompt and in a message's content alike
@@ -32,6 +33,7 @@ from .bodies import ChatRequest, CompletionRequest, SamplingFields, parse_body
 from .errors import APIError, bad_request, from_sampling_error
 from .limits import MAX_CHOICES, MAX_LOGPROB_ENTRIES, check_choice_count, check_text_size, is_id, prompt_count
 from .structured import constraint_fields
+from .tools import check_tools, conversation, forced_call, parser_for, tool_choice, tool_chunks
 
 MAX_STOPS = {"stop": 16, "stop_token_ids": 256}  # each is checked on every token: a long list slows every request
 MAX_STOP_CHARS = 256  # on every token the engine searches the text's last len(stop) characters for each stop
@@ -197,6 +199,7 @@ class Call:
 
     object = ""
     chunk_object = ""
+    salted = False  # True: its cache salt is already its session's (sessions_api.py), not the key's and body's
 
     def __init__(self, state, body: SamplingFields, prompts: list[list[int]], params: SamplingParams):
         self.tokenizer, self.model, self.prompts, self.params = state.tokenizer, state.model_name, prompts, params
@@ -350,8 +353,6 @@ class ChatCall(Call):
         message = {"role": "assistant", "content": c.text, "refusal": None}
         if self.tool_parser is None:
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
-        from .tools import tool_choice  # tools.py builds on this module
-
         message, finish = tool_choice(message, c.finish_reason, self.tool_parser)
         finish = self.call_finish if finish == "tool_calls" else finish
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
@@ -365,8 +366,6 @@ class ChatCall(Call):
         entries = self.delta_logprobs(delta)
         logprobs = None if entries is None else self.logprobs_body(entries)
         if self.tool_parser is not None:
-            from .tools import tool_chunks  # tools.py builds on this module
-
             choices = tool_chunks(self.tool_streams, index, delta, self.tool_parser)
             for choice in choices:
                 if choice["finish_reason"] == "tool_calls":
@@ -405,8 +404,6 @@ def completion_call(raw: dict, state) -> CompletionCall:
 def chat_call(raw: dict, state) -> ChatCall:
     body = parse_body(raw, ChatRequest)
     state.check_model(body.model)
-    from .tools import check_tools, conversation, forced_call, parser_for  # tools.py builds on this module
-
     parser = parser_for(state.tokenizer.chat_template, state.tool_call_parser)
     tools = check_tools(body, parser)
     forced = forced_call(body.tool_choice, tools)  # "required" or a named function: a call decoded under a schema

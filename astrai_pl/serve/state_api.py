@@ -36,7 +36,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
-from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from ..inference import CapacityError
@@ -130,10 +129,10 @@ def export_bytes(session, messages: list[dict]) -> bytes:
     with tempfile.TemporaryDirectory(prefix="astrai-session-") as folder:
         path = os.path.join(folder, "session.safetensors")
         session.save(path)
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="pt") as f:  # header and tensors in one read of the file
             metadata = f.metadata() or {}
-        data = Path(path).read_bytes()
-    return save_tensors(load_tensors(data), metadata={**metadata, "messages": json.dumps(messages)})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    return save_tensors(tensors, metadata={**metadata, "messages": json.dumps(messages)})
 
 
 def report_rows(report) -> list[dict]:
