@@ -89,6 +89,18 @@ def test_init_from_a_hub_id_loads_the_cached_snapshot(cache, tiny):
             assert torch.equal(a, b), (name, k)
 
 
+
+def test_a_meta_device_build_reads_a_hub_id_as_load_transformer_does(cache, tiny):
+    from astrai_pl.checkpoint.loading import meta_transformer
+
+    model, files = tiny
+    commit = lay_out(cache, "model", "acme/tiny", files)
+    built, folder = meta_transformer(None, "acme/tiny")
+    assert folder == cache / "models--acme--tiny" / "snapshots" / commit
+    shapes = {k: v.shape for k, v in built.state_dict().items()}
+    assert shapes == {k: v.shape for k, v in model.state_dict().items()}
+    assert next(built.parameters()).device.type == "meta"
+
 def test_a_local_folder_wins_over_the_hub_id_it_spells(cache, tiny, tmp_path):
     model, files = tiny
     lay_out(cache, "model", "acme/tiny", files)

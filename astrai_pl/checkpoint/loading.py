@@ -77,7 +77,7 @@ def meta_transformer(arch: ModelConfig | dict | None, init_from: str | None) -> 
     if init_from is None:
         with torch.device("meta"):
             return Transformer(as_config(arch)), None
-    init_from = resolve_latest(init_from)
+    init_from = resolve_latest(resolve_model(init_from))  # as load_transformer: a hub id, then runs/x/latest/…
     folder = export_dir(init_from)
     if not folder.is_dir() or is_sharded_checkpoint(folder):
         raise CheckpointError(
