@@ -47,6 +47,20 @@ def response_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torc
     return tuple((batch[f"{side}_labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1) for side in SIDES)
 
 
+def window_pair_loss(objective: Objective, loss: torch.Tensor, batch: dict[str, Any], nll: torch.Tensor | None = None,
+                     nll_weight: float = 0.0, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """`loss` (a per-pair mean, plus nll_weight · nll: the chosen responses' token-mean NLL over their `tokens`)
+    made exact over the accumulation window and every data-parallel rank: its per-pair part a mean over the
+    window's pairs (`window_pairs`), its NLL part a mean over the window's chosen tokens (`window_chosen_tokens`)."""
+    pairs = torch.tensor(batch["chosen_input_ids"].shape[0], device=loss.device)
+    per_pair = loss - nll_weight * nll if nll_weight else loss
+    exact = per_pair * pairs / objective.accumulation_scale(batch, pairs, key="window_pairs")
+    if nll_weight:
+        window_tokens = objective.accumulation_scale(batch, tokens, key="window_chosen_tokens")
+        exact = exact + nll_weight * nll * tokens / window_tokens
+    return exact
+
+
 def pair_scores(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """(chosen, rejected) summed log-probabilities of each pair: a row of the precomputed table.  (B, 2)"""
     return torch.stack(pair_logps(model, batch), dim=1)
@@ -161,21 +175,10 @@ class DPO(Objective):
         if self.rpo_alpha is not None:
             loss = loss + self.rpo_alpha * nll
             metrics["nll_loss"] = nll.detach()
-        return self._exact(loss, nll, lengths[0].sum(), batch), metrics
+        return window_pair_loss(self, loss, batch, nll, self._nll_weight(), lengths[0].sum()), metrics
 
     def _nll_weight(self) -> float:
         """The weight of the chosen responses' token-mean NLL in the loss: rpo_alpha plus each 'sft' loss weight."""
         types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
         weights = self.hparams.loss_weights or [1.0] * len(types)
         return (self.rpo_alpha or 0.0) + sum(w for t, w in zip(types, weights) if t == "sft")
-
-    def _exact(self, loss: torch.Tensor, nll: torch.Tensor, tokens: torch.Tensor, batch: dict[str, Any]):
-        """`loss` with its per-pair part a mean over the window's pairs and its NLL part (weight w) a mean over the
-        window's chosen tokens (`window_pairs`, `window_chosen_tokens`), over every data-parallel rank."""
-        pairs = torch.tensor(batch["chosen_input_ids"].shape[0], device=loss.device)
-        w = self._nll_weight()
-        per_pair = loss - w * nll if w else loss
-        exact = per_pair * pairs / self.accumulation_scale(batch, pairs, key="window_pairs")
-        if w:
-            exact = exact + w * nll * tokens / self.accumulation_scale(batch, tokens, key="window_chosen_tokens")
-        return exact
