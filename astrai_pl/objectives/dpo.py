@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from ..checkpoint.loading import weights_fingerprint
-from .base import Objective, check_reference_fingerprint, frozen_copy, reference_scope
+from .base import Objective, frozen_copy, reference_scope
 from .logprobs import IGNORE_INDEX, hidden_logprobs, sequence_logprobs
 from .losses import dpo_loss
 from .options import check_dpo_options
-from .reference_tables import precompute_tables, saved_tables, table_rows
+from .reference_tables import load_reference, precompute_tables, save_reference, table_rows
 from .shared_prompt import pair_hidden_states
 
 SIDES = ("chosen", "rejected")
@@ -145,18 +145,11 @@ class DPO(Objective):
     # -- checkpoints --------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        if self.reference_logps is not None:
-            checkpoint["reference_logps"] = self.reference_logps
-        if self.reference_fingerprint is not None:
-            checkpoint["reference_fingerprint"] = self.reference_fingerprint
+        save_reference(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)  # a LoRA run's adapter and base (the base is its reference)
-        if self.hparams.precompute_ref_log_probs:
-            self.reference_logps = saved_tables(checkpoint)
-            return
-        check_reference_fingerprint(checkpoint.get("reference_fingerprint"), self.reference_fingerprint,
-                                    self.hparams.init_from)
+        load_reference(self, checkpoint)
 
     def _log_eval_loss(self, stage: str) -> None:
         self.log(f"{stage}/loss", self.val_loss.compute(), prog_bar=True)  # a per-pair loss: no perplexity
