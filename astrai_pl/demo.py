@@ -438,5 +438,6 @@ def run_stages(args, quiet: list[str], records: list[StageRecord], failures: lis
     generate_stage(grpo, problems, grpo_accuracy, records)
     return grpo
 
+
 if __name__ == "__main__":
     main()

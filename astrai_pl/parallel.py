@@ -275,9 +275,11 @@ def convert_to_fp8(model: nn.Module, recipe: str, *, fsdp: bool = False) -> list
 
     config = (Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp) if recipe == "tensorwise"
               else Float8LinearConfig.from_recipe_name(recipe))
-    chosen = [name for name, m in model.named_modules() if type(m) is not Float8Linear and fp8_eligible(m, name)]
-    convert_to_float8_training(model, config=config,
-                               module_filter_fn=lambda m, name: type(m) is not Float8Linear and fp8_eligible(m, name))
+    def pick(m: nn.Module, name: str) -> bool:  # not yet converted (configure_model may run again), and eligible
+        return type(m) is not Float8Linear and fp8_eligible(m, name)
+
+    chosen = [name for name, m in model.named_modules() if pick(m, name)]
+    convert_to_float8_training(model, config=config, module_filter_fn=pick)
     return chosen
 
 

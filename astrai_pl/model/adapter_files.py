@@ -29,6 +29,7 @@ from .hf import _carry_over, _check_finite, _open, _read_json, save_tokenizer
 from .hf_config import CheckpointError, CheckpointNotFoundError, ExportError, NonFiniteWeightError
 from .hf_keys import hf_name
 from .lora import LoraConfig, adapter_state, apply_lora, hf_module_name, lora_modules
+from .trainable_tokens import EMBEDDING, ROWS_KEY
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -53,8 +54,8 @@ def _peft_key(key: str, model_type: str) -> str:
         if part in key:
             module, _, rest = key.partition(part)
             return f"{PEFT_PREFIX}{hf_module_name(module, model_type)}{part}{rest}"
-    if key == "embed_tokens.token_rows":
-        return f"{PEFT_PREFIX}{hf_module_name('embed_tokens', model_type)}.{TOKEN_ROWS}"
+    if key == ROWS_KEY:
+        return f"{PEFT_PREFIX}{hf_module_name(EMBEDDING, model_type)}.{TOKEN_ROWS}"
     return PEFT_PREFIX + hf_name(key, model_type)
 
 

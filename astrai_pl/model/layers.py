@@ -186,11 +186,11 @@ def _as_stored(x: torch.Tensor, linear: Linear) -> torch.Tensor:
     `onednn_rows`, and the padding's rows are dropped."""
     if _ONEDNN and torch._C._get_mkldnn_enabled() and not torch.is_autocast_enabled("cpu") and type(x) is torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        padded = onednn_rows(rows.shape[0])
-        if padded != rows.shape[0]:
-            rows = torch.cat([rows, rows.new_zeros(padded - rows.shape[0], rows.shape[1])])
+        n, padded = rows.shape[0], onednn_rows(rows.shape[0])
+        if padded != n:
+            rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
         out = torch.ops.mkldnn._linear_pointwise(rows, linear.weight, linear.bias, "none", [], "")
-        return out[: x.numel() // x.shape[-1]].reshape(*x.shape[:-1], out.shape[-1])
+        return out[:n].reshape(*x.shape[:-1], out.shape[-1])
     return F.linear(x, linear.weight, linear.bias)
 
 

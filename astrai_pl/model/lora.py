@@ -45,7 +45,7 @@ from torch import nn
 from .config import ConfigError
 from .layers import Linear
 from .trainable_tokens import (
-    EMBEDDING,
+    ROWS_KEY,
     add_trainable_tokens,
     check_token_indices,
     remove_trainable_tokens,
@@ -314,7 +314,7 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     of the modules_to_save and the trainable tokens' rows."""
     saved = getattr(model, "lora_originals", {})
     return {k: v for k, v in model.state_dict().items()
-            if ".lora_A." in k or ".lora_B." in k or k in saved or k == f"{EMBEDDING}.token_rows"}
+            if ".lora_A." in k or ".lora_B." in k or k in saved or k == ROWS_KEY}
 
 
 @contextlib.contextmanager

@@ -30,7 +30,6 @@ from .layers import Linear
 FIELD = "model.init_args.lora.trainable_token_indices"
 EMBEDDING = "embed_tokens"
 ROWS_KEY = "embed_tokens.token_rows"  # our state-dict key of R
-PEFT_ROWS = "model.embed_tokens.token_adapter.trainable_tokens_delta"  # PEFT's, after base_model.model.
 
 
 def check_token_indices(value: Any) -> None:

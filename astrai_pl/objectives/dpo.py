@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from ..checkpoint.loading import weights_fingerprint
-from .base import Objective, check_reference_fingerprint, frozen_copy, reference_scope
+from .base import Objective, frozen_copy, reference_scope
 from .logprobs import IGNORE_INDEX, hidden_logprobs, sequence_logprobs
 from .losses import dpo_loss
 from .options import check_dpo_options
-from .reference_tables import prepared_tables, saved_tables, table_rows
+from .reference_tables import load_reference, prepared_tables, save_reference, table_rows
 from .shared_prompt import pair_hidden_states
 
 SIDES = ("chosen", "rejected")
@@ -45,6 +45,20 @@ def pair_logps(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.
 def response_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Scored tokens of each response (labels are unshifted: position 0 is never a target).  (B,), (B,)"""
     return tuple((batch[f"{side}_labels"][:, 1:] != IGNORE_INDEX).sum(1).clamp(min=1) for side in SIDES)
+
+
+def window_pair_loss(objective: Objective, loss: torch.Tensor, batch: dict[str, Any], nll: torch.Tensor | None = None,
+                     nll_weight: float = 0.0, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """`loss` (a per-pair mean, plus nll_weight · nll: the chosen responses' token-mean NLL over their `tokens`)
+    made exact over the accumulation window and every data-parallel rank: its per-pair part a mean over the
+    window's pairs (`window_pairs`), its NLL part a mean over the window's chosen tokens (`window_chosen_tokens`)."""
+    pairs = torch.tensor(batch["chosen_input_ids"].shape[0], device=loss.device)
+    per_pair = loss - nll_weight * nll if nll_weight else loss
+    exact = per_pair * pairs / objective.accumulation_scale(batch, pairs, key="window_pairs")
+    if nll_weight:
+        window_tokens = objective.accumulation_scale(batch, tokens, key="window_chosen_tokens")
+        exact = exact + nll_weight * nll * tokens / window_tokens
+    return exact
 
 
 def pair_scores(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -131,18 +145,11 @@ class DPO(Objective):
     # -- checkpoints --------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        if self.reference_logps is not None:
-            checkpoint["reference_logps"] = self.reference_logps
-        if self.reference_fingerprint is not None:
-            checkpoint["reference_fingerprint"] = self.reference_fingerprint
+        save_reference(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)  # a LoRA run's adapter and base (the base is its reference)
-        if self.hparams.precompute_ref_log_probs:
-            self.reference_logps = saved_tables(checkpoint)
-            return
-        check_reference_fingerprint(checkpoint.get("reference_fingerprint"), self.reference_fingerprint,
-                                    self.hparams.init_from)
+        load_reference(self, checkpoint)
 
     def _log_eval_loss(self, stage: str) -> None:
         self.log(f"{stage}/loss", self.val_loss.compute(), prog_bar=True)  # a per-pair loss: no perplexity
@@ -161,21 +168,10 @@ class DPO(Objective):
         if self.rpo_alpha is not None:
             loss = loss + self.rpo_alpha * nll
             metrics["nll_loss"] = nll.detach()
-        return self._exact(loss, nll, lengths[0].sum(), batch), metrics
+        return window_pair_loss(self, loss, batch, nll, self._nll_weight(), lengths[0].sum()), metrics
 
     def _nll_weight(self) -> float:
         """The weight of the chosen responses' token-mean NLL in the loss: rpo_alpha plus each 'sft' loss weight."""
         types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
         weights = self.hparams.loss_weights or [1.0] * len(types)
         return (self.rpo_alpha or 0.0) + sum(w for t, w in zip(types, weights) if t == "sft")
-
-    def _exact(self, loss: torch.Tensor, nll: torch.Tensor, tokens: torch.Tensor, batch: dict[str, Any]):
-        """`loss` with its per-pair part a mean over the window's pairs and its NLL part (weight w) a mean over the
-        window's chosen tokens (`window_pairs`, `window_chosen_tokens`), over every data-parallel rank."""
-        pairs = torch.tensor(batch["chosen_input_ids"].shape[0], device=loss.device)
-        w = self._nll_weight()
-        per_pair = loss - w * nll if w else loss
-        exact = per_pair * pairs / self.accumulation_scale(batch, pairs, key="window_pairs")
-        if w:
-            exact = exact + w * nll * tokens / self.accumulation_scale(batch, tokens, key="window_chosen_tokens")
-        return exact

@@ -24,11 +24,11 @@ from torch import nn
 
 from ..checkpoint.loading import weights_fingerprint
 from ..model.config import ConfigError
-from .base import Objective, check_reference_fingerprint, frozen_copy, reference_scope
+from .base import Objective, frozen_copy, reference_scope
 from .logprobs import sequence_logprobs, token_logprobs
 from .options import check_kto_options
 from .preference_losses import kto_loss
-from .reference_tables import prepared_tables, saved_tables, table_rows
+from .reference_tables import load_reference, prepared_tables, save_reference, table_rows
 
 
 def example_logps(model: nn.Module, batch: dict[str, torch.Tensor], kl: bool) -> tuple[torch.Tensor, ...]:
@@ -117,18 +117,11 @@ class KTO(Objective):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        if self.reference_logps is not None:
-            checkpoint["reference_logps"] = self.reference_logps
-        if self.reference_fingerprint is not None:
-            checkpoint["reference_fingerprint"] = self.reference_fingerprint
+        save_reference(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        if self.hparams.precompute_ref_log_probs:
-            self.reference_logps = saved_tables(checkpoint)
-            return
-        check_reference_fingerprint(checkpoint.get("reference_fingerprint"), self.reference_fingerprint,
-                                    self.hparams.init_from)
+        load_reference(self, checkpoint)
 
     def _log_eval_loss(self, stage: str) -> None:
         self.log(f"{stage}/loss", self.val_loss.compute(), prog_bar=True)  # a per-example loss: no perplexity

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .base import Objective
-from .dpo import pair_logps, response_lengths
+from .dpo import pair_logps, response_lengths, window_pair_loss
 from .options import check_orpo_options
 from .preference_losses import orpo_loss
 
@@ -31,8 +31,7 @@ class PairObjective(Objective):
     perplexity."""
 
     def _per_pair(self, loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        pairs = torch.tensor(batch["chosen_input_ids"].shape[0], device=loss.device)
-        return loss * pairs / self.accumulation_scale(batch, pairs, key="window_pairs")
+        return window_pair_loss(self, loss, batch)
 
     def _log_eval_loss(self, stage: str) -> None:
         self.log(f"{stage}/loss", self.val_loss.compute(), prog_bar=True)  # a per-pair loss: no perplexity
@@ -65,6 +64,4 @@ class ORPO(PairObjective):
         if not self.training:
             return loss, metrics
         # Two means, each over every rank's items: the NLL over chosen tokens, the odds-ratio term over pairs.
-        tokens = response_lengths(batch)[0].sum()
-        nll_part = nll * tokens / self.accumulation_scale(batch, tokens, key="window_chosen_tokens")
-        return self._per_pair(loss - nll, batch) + nll_part, metrics
+        return window_pair_loss(self, loss, batch, nll, 1.0, response_lengths(batch)[0].sum()), metrics

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..checkpoint import CheckpointError
 from ..model.config import ConfigError
-from .base import reference_scope
+from .base import check_reference_fingerprint, reference_scope
 
 TABLE_OF_STAGE = {"train": "train", "val": "val", "test": "val"}  # which precomputed table a stage reads
 Scorer = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]  # (model, batch) -> (B, C)
@@ -95,9 +95,23 @@ def table_rows(tables: dict[str, torch.Tensor] | None, batch: dict[str, torch.Te
     return tables[TABLE_OF_STAGE[stage]][batch["row_index"].cpu()].to(device)
 
 
-def saved_tables(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The precomputed tables of a checkpoint; CheckpointError when it was trained with a live reference."""
-    if "reference_logps" not in checkpoint:
-        raise CheckpointError("this checkpoint holds no precomputed reference log-probabilities (it was trained "
-                              "with a live reference); resume it with precompute_ref_log_probs false")
-    return checkpoint["reference_logps"]
+def save_reference(objective: Any, checkpoint: dict[str, Any]) -> None:
+    """What a checkpoint keeps of the objective's reference (DPO, KTO): its precomputed tables, or the fingerprint
+    of its frozen copy's weights."""
+    if objective.reference_logps is not None:
+        checkpoint["reference_logps"] = objective.reference_logps
+    if objective.reference_fingerprint is not None:
+        checkpoint["reference_fingerprint"] = objective.reference_fingerprint
+
+
+def load_reference(objective: Any, checkpoint: dict[str, Any]) -> None:
+    """With precompute_ref_log_probs, the checkpoint's tables into the objective (CheckpointError when it was
+    trained with a live reference); else the checkpoint's reference fingerprint checked against the objective's."""
+    if objective.hparams.precompute_ref_log_probs:
+        if "reference_logps" not in checkpoint:
+            raise CheckpointError("this checkpoint holds no precomputed reference log-probabilities (it was trained "
+                                  "with a live reference); resume it with precompute_ref_log_probs false")
+        objective.reference_logps = checkpoint["reference_logps"]
+        return
+    check_reference_fingerprint(checkpoint.get("reference_fingerprint"), objective.reference_fingerprint,
+                                objective.hparams.init_from)
