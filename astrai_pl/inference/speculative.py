@@ -255,7 +255,7 @@ def _walk(reqs, host, chosen_lp, alternatives) -> list[Verified]:
 
 class SpeculativeSteps:
     """The engine's side of speculation: drafts before scheduling, verification after the forward, the rollback
-    of rejected drafts' memory. A mixin of `Engine`, which gives it `speculative`, `scheduler`, `pool`,
+    of rejected drafts' memory. A mixin of `Engine`, which gives it `speculative`, `scheduler`,
     `max_context`, `_counts` and `_append`."""
 
     def _propose_drafts(self) -> None:
@@ -296,10 +296,8 @@ class SpeculativeSteps:
         length = len(req.tokens)
         req.draft = []
         assert req.num_computed == length + v.drafted, "a verified request computed its whole draft"
-        keep = self.pool.pages_for(length + accepted)
-        self.pool.release(req.pages[keep:])
-        req.pages = req.pages[:keep]
-        req.num_computed, req.table_len = length, min(req.table_len, length + accepted)
+        self.scheduler.trim(req, length + accepted)
+        req.num_computed = length
         self._counts["draft_tokens"] += v.drafted
         self._counts["accepted_draft_tokens"] += accepted
         deltas = []
@@ -319,9 +317,7 @@ class SpeculativeSteps:
             if req.draft:
                 req.draft = []
                 req.num_computed = min(req.num_computed, len(req.tokens))
-                keep = self.pool.pages_for(req.num_computed)
-                self.pool.release(req.pages[keep:])
-                req.pages, req.table_len = req.pages[:keep], min(req.table_len, req.num_computed)
+                self.scheduler.trim(req, req.num_computed)
 
 
 def check_speculative_model(model, speculative: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
