@@ -313,6 +313,8 @@ class SpeculativeSteps:
 
     def _drop_drafts(self) -> None:
         """After a step that failed before its drafts were verified: forget them and the memory taken for them."""
+        if self.speculative is None:  # no request has a draft: nothing to walk on every step
+            return
         for req in self.scheduler.running:
             if req.draft:
                 req.draft = []
