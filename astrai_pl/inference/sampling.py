@@ -350,11 +350,7 @@ def sample(
     raw, logits = logits, _finite(logits)  # a new tensor, which the penalties may replace
     if constraints is not None and any(c is not None for c in constraints):
         logits = constrain(logits, constraints, contexts, num_outputs)
-    penalised = [i for i, p in enumerate(params) if p.penalised]
-    if penalised:
-        rows = to_device(torch.tensor(penalised), logits.device) if len(penalised) < len(params) else slice(None)
-        part = [params[i] for i in penalised], [contexts[i] for i in penalised], [num_outputs[i] for i in penalised]
-        logits[rows] = _finite(penalise(logits[rows], *part))  # a penalty may overflow a logit to ±inf
+    _penalise_rows(logits, params, contexts, num_outputs)
     if all(p.greedy for p in params):
         tokens = logits.argmax(dim=-1)
     else:
@@ -400,6 +396,35 @@ def _unpack(rows: list[list[float]], k: int, top: list[int]) -> tuple[list[float
     return chosen, [list(zip((int(t) for t in row[1 + k : 1 + k + n]), row[1 : 1 + n])) for row, n in zip(rows, top)]
 
 
+def _penalise_rows(
+    logits: torch.Tensor, params: list[SamplingParams], contexts: list[list[int]], num_outputs: list[int]
+) -> None:
+    """In place: the penalties of the rows that ask for any (`penalise`)."""
+    penalised = [i for i, p in enumerate(params) if p.penalised]
+    if penalised:
+        rows = to_device(torch.tensor(penalised), logits.device) if len(penalised) < len(params) else slice(None)
+        part = [params[i] for i in penalised], [contexts[i] for i in penalised], [num_outputs[i] for i in penalised]
+        logits[rows] = _finite(penalise(logits[rows], *part))  # a penalty may overflow a logit to ±inf
+
+
+def _tempered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, V) each row's logits after temperature and top-k / top-p / min-p, what a draw's softmax is taken of;
+    and the (N, 6) settings: temperature, top_k, top_p, min_p, truncated, greedy."""
+    V = logits.shape[-1]
+    knobs = to_device(torch.tensor(
+        [[p.temperature or 1.0, min(p.top_k, V), p.top_p, p.min_p, p.truncated, p.greedy] for p in params],
+        dtype=torch.float64,
+    ), logits.device)  # (N, 6): one copy of every row's settings
+    # (l - max) / T: the same distribution as l / T, no overflow however small T is, and for T = 1 the very
+    # numbers softmax makes of l itself (it subtracts the max too), so a row draws the same in any batch
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / knobs[:, 0:1].to(torch.float32)
+    if any(p.truncated for p in params):
+        top_p, min_p = knobs[:, 2].to(torch.float32), knobs[:, 3].to(torch.float32)
+        masked = mask_top_k_top_p_min_p(logits, knobs[:, 1].to(torch.int64), top_p, min_p)
+        logits = torch.where(knobs[:, 4:5] > 0, masked, logits)  # untruncated rows exactly as alone
+    return logits, knobs
+
+
 def _finite(logits: torch.Tensor) -> torch.Tensor:
     """+inf becomes the largest float32 and NaN becomes -inf (never drawn); -inf stays."""
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
@@ -415,17 +440,7 @@ def _draw(
     logit) gets its argmax too, so the token is always a vocabulary id."""
     device, (N, V) = logits.device, logits.shape
     argmax = logits.argmax(dim=-1)
-    knobs = to_device(torch.tensor(
-        [[p.temperature or 1.0, min(p.top_k, V), p.top_p, p.min_p, p.truncated, p.greedy] for p in params],
-        dtype=torch.float64,
-    ), device)  # (N, 6): one copy of every row's settings
-    # (l - max) / T: the same distribution as l / T, no overflow however small T is, and for T = 1 the very
-    # numbers softmax makes of l itself (it subtracts the max too), so a row draws the same in any batch
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / knobs[:, 0:1].to(torch.float32)
-    if any(p.truncated for p in params):
-        top_p, min_p = knobs[:, 2].to(torch.float32), knobs[:, 3].to(torch.float32)
-        masked = mask_top_k_top_p_min_p(logits, knobs[:, 1].to(torch.int64), top_p, min_p)
-        logits = torch.where(knobs[:, 4:5] > 0, masked, logits)  # untruncated rows exactly as alone
+    logits, knobs = _tempered(logits, params)
     cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)  # (N, V); exact zeros outside the kept set
     u = torch.rand(N, dtype=torch.float64, device=device)
     if any(s is not None for s in seeds):

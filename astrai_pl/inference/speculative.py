@@ -39,10 +39,10 @@ from .sampling import (
     SamplingParams,
     _finite,
     _int64,
+    _penalise_rows,
     _score_columns,
+    _tempered,
     _unpack,
-    mask_top_k_top_p_min_p,
-    penalise,
     seeded_uniform,
     to_device,
 )
@@ -139,21 +139,9 @@ def target_probs(
     """(N, V) float64: the distribution the plain sampler (`sampling.sample`) draws each row from, with the
     same operations in the same order; a greedy row (or one without a finite logit) is one-hot at its argmax."""
     x = _finite(logits)
-    penalised = [i for i, p in enumerate(params) if p.penalised]
-    if penalised:
-        rows = to_device(torch.tensor(penalised), x.device)
-        part = [params[i] for i in penalised], [contexts[i] for i in penalised], [num_outputs[i] for i in penalised]
-        x[rows] = _finite(penalise(x[rows], *part))
-    N, V = x.shape
+    _penalise_rows(x, params, contexts, num_outputs)
     argmax = x.argmax(dim=-1)
-    knobs = to_device(torch.tensor(
-        [[p.temperature or 1.0, min(p.top_k, V), p.top_p, p.min_p, p.truncated, p.greedy] for p in params],
-        dtype=torch.float64,
-    ), x.device)  # (N, 6)
-    x = (x - x.amax(dim=-1, keepdim=True)) / knobs[:, 0:1].to(torch.float32)
-    if any(p.truncated for p in params):
-        masked = mask_top_k_top_p_min_p(x, knobs[:, 1].to(torch.int64), knobs[:, 2].float(), knobs[:, 3].float())
-        x = torch.where(knobs[:, 4:5] > 0, masked, x)
+    x, knobs = _tempered(x, params)
     probs = x.softmax(dim=-1).double()  # (N, V)
     point = ~(probs.sum(dim=-1) > 0) | (knobs[:, 5] > 0)  # massless or greedy: the argmax
     one_hot = torch.zeros_like(probs).scatter_(1, argmax[:, None], 1.0)
