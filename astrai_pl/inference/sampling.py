@@ -438,19 +438,26 @@ def _draw(
 ) -> torch.Tensor:
     """One token per row: its argmax for a greedy row, else a draw. A row without probability mass (no finite
     logit) gets its argmax too, so the token is always a vocabulary id."""
-    device, (N, V) = logits.device, logits.shape
+    device, N = logits.device, logits.shape[0]
     argmax = logits.argmax(dim=-1)
     logits, knobs = _tempered(logits, params)
-    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)  # (N, V); exact zeros outside the kept set
     u = torch.rand(N, dtype=torch.float64, device=device)
     if any(s is not None for s in seeds):
         counters = to_device(torch.tensor(
             [[_int64(s or 0), n, s is not None] for s, n in zip(seeds, num_outputs)], dtype=torch.int64
         ), device)  # (N, 3)
         u = torch.where(counters[:, 2] > 0, seeded_uniform(counters[:, 0], counters[:, 1]), u)
+    drawn = _inverse_cdf(logits.softmax(dim=-1).double(), u, argmax)  # exact zeros outside the kept set
+    return torch.where(knobs[:, 5] > 0, argmax, drawn)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """A draw per row from `probs` (N, V) (unnormalised, float64) with u in [0, 1); `fallback` where a row has
+    no mass (NaN or 0: no finite logit in the row)."""
+    cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
-    massless = ~(total[:, 0] > 0)  # NaN or 0: no finite logit in the row
+    massless = ~(total[:, 0] > 0)
     total = torch.where(massless[:, None], torch.ones_like(total), total)
     u = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # u < C_last, always
-    drawn = torch.searchsorted(cdf, u, right=True)[:, 0]
-    return torch.where(massless | (knobs[:, 5] > 0), argmax, drawn.clamp_max(V - 1))
+    drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
+    return torch.where(massless, fallback, drawn)

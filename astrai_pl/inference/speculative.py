@@ -39,6 +39,7 @@ from .sampling import (
     SamplingParams,
     _finite,
     _int64,
+    _inverse_cdf,
     _penalise_rows,
     _score_columns,
     _tempered,
@@ -210,17 +211,6 @@ def _uniforms(seeds: list[int | None], outputs: list[int], device) -> tuple[torc
         accept_u = torch.where(seeded, seeded_uniform(counters[:, 0], counters[:, 1] + _ACCEPT_STREAM), accept_u)
         draw_u = torch.where(seeded, seeded_uniform(counters[:, 0], counters[:, 1]), draw_u)
     return accept_u, draw_u
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """A draw per row from `probs` (unnormalised, float64) with u in [0, 1); `fallback` where a row has no mass."""
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:]
-    massless = ~(total[:, 0] > 0)
-    total = torch.where(massless[:, None], torch.ones_like(total), total)
-    u = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
-    return torch.where(massless, fallback, drawn)
 
 
 def _walk(reqs, host, chosen_lp, alternatives) -> list[Verified]:
