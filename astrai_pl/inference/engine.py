@@ -327,8 +327,9 @@ class Engine(StepRecovery, SpeculativeSteps, ReaderSteps):
 
     def _queue(self, req: Request, keep_deltas: bool | None) -> RequestHandle | None:
         """Track and queue `req`; its handle (None for `add_request`: its deltas go to `step()`)."""
-        reader = None if keep_deltas is None else TextReader(self.tokenizer, self._settle)
-        handle = None if keep_deltas is None else RequestHandle(req.id, self, keep_deltas, reader)
+        handle = None
+        if keep_deltas is not None:
+            handle = RequestHandle(req.id, self, keep_deltas, TextReader(self.tokenizer, self._settle))
         req.defer_text = keep_deltas is False and not req.params.stop  # text decoded once, at the end
         self._requests[req.id] = req
         self._outbox.open(req.id, handle)

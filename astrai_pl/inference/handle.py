@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from .reader import TextReader
 from .request import Completion, Delta, RequestError, is_sample_of
 
+_END, _DRIVE = object(), object()  # what `RequestHandle._look` returns when it has no delta
+
 
 class RequestHandle:
     """A submitted request and its n samples: iterate (or `async for`) its deltas, or wait for `result()`.
@@ -117,22 +119,34 @@ class RequestHandle:
                 return
         self._engine.drive()
 
+    def _look(self, check: bool, loop: asyncio.AbstractEventLoop | None = None):
+        """Under the reader's lock: the next delta read, `_END` when every sample ended and was read, or `_DRIVE`
+        when nothing is kept and no loop steps the engine. While the engine's loop runs and nothing is kept, waits
+        on the condition and looks again, or with `loop`, returns a future that resolves when there is more."""
+        while True:
+            self._read_kept()
+            if (delta := self._take(check)) is not None:
+                return delta
+            with self._cond:
+                if self._ended():
+                    return _END
+                if self._deltas:
+                    continue
+                if not self._engine.running:
+                    return _DRIVE
+                if loop is None:
+                    self._cond.wait()
+                    continue
+                future = loop.create_future()
+                self._waiters.append((loop, future))
+                return future
+
     def _next(self, check: bool = True) -> Delta | None:
         """The next delta, None at the end; waits for the engine's loop, or steps the engine when none runs."""
         with self.reader.lock:
-            while True:
-                self._read_kept()
-                if (delta := self._take(check)) is not None:
-                    return delta
-                with self._cond:
-                    if self._ended():
-                        return None
-                    if self._deltas:
-                        continue
-                    if self._engine.running:
-                        self._cond.wait()
-                        continue
+            while (got := self._look(check)) is _DRIVE:
                 self._engine.drive()
+        return None if got is _END else got
 
     def __iter__(self) -> Iterator[Delta]:
         while (delta := self._next()) is not None:
@@ -160,27 +174,18 @@ class RequestHandle:
         return self
 
     async def __anext__(self) -> Delta:
+        loop = asyncio.get_running_loop()
         while True:
-            future = None
             with self.reader.lock:
-                self._read_kept()
-                if (delta := self._take(check=True)) is not None:
-                    if delta.token_ids or delta.finish_reason:
-                        return delta
-                    continue
-                with self._cond:
-                    if self._ended():
-                        raise StopAsyncIteration
-                    if self._deltas:
-                        continue
-                    if self._engine.running:
-                        loop = asyncio.get_running_loop()
-                        future = loop.create_future()
-                        self._waiters.append((loop, future))
-            if future is not None:
-                await future
-            else:  # no loop runs: step the engine off the event loop's thread
+                got = self._look(True, loop)
+            if got is _END:
+                raise StopAsyncIteration
+            if got is _DRIVE:  # no loop runs: step the engine off the event loop's thread
                 await asyncio.to_thread(self._engine.drive)
+            elif isinstance(got, asyncio.Future):
+                await got
+            elif got.token_ids or got.finish_reason:
+                return got
 
     async def result_async(self) -> list[Completion]:
         """`result()` for a coroutine: awaits the deltas instead of blocking the event loop."""

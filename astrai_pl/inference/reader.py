@@ -166,9 +166,7 @@ class ReaderSteps:
         del req.logprobs[keep:], req.top_logprobs[keep:]
         req.num_computed = min(req.num_computed, len(req.tokens) - 1)
         req.ready_logits, req.draft = None, []
-        pages = self.pool.pages_for(req.num_computed)
-        self.pool.release(req.pages[pages:])
-        req.pages, req.table_len = req.pages[:pages], min(req.table_len, req.num_computed)
+        self.scheduler.trim(req, req.num_computed)
 
     def _read_parked(self) -> bool:
         """Memory is short and parked requests hold some: read their text here, on the engine's thread, for

@@ -66,7 +66,6 @@ class StepRecovery:
         self._finish(req, "error")
         return Delta(req.id, "", [], "error", req.completion())
 
-
     def _step_or_fail(self) -> None:
         if self.scheduler.idle:
             raise InferenceError("no request is queued or running")

@@ -350,11 +350,7 @@ def sample(
     raw, logits = logits, _finite(logits)  # a new tensor, which the penalties may replace
     if constraints is not None and any(c is not None for c in constraints):
         logits = constrain(logits, constraints, contexts, num_outputs)
-    penalised = [i for i, p in enumerate(params) if p.penalised]
-    if penalised:
-        rows = to_device(torch.tensor(penalised), logits.device) if len(penalised) < len(params) else slice(None)
-        part = [params[i] for i in penalised], [contexts[i] for i in penalised], [num_outputs[i] for i in penalised]
-        logits[rows] = _finite(penalise(logits[rows], *part))  # a penalty may overflow a logit to ±inf
+    _penalise_rows(logits, params, contexts, num_outputs)
     if all(p.greedy for p in params):
         tokens = logits.argmax(dim=-1)
     else:
@@ -400,6 +396,35 @@ def _unpack(rows: list[list[float]], k: int, top: list[int]) -> tuple[list[float
     return chosen, [list(zip((int(t) for t in row[1 + k : 1 + k + n]), row[1 : 1 + n])) for row, n in zip(rows, top)]
 
 
+def _penalise_rows(
+    logits: torch.Tensor, params: list[SamplingParams], contexts: list[list[int]], num_outputs: list[int]
+) -> None:
+    """In place: the penalties of the rows that ask for any (`penalise`)."""
+    penalised = [i for i, p in enumerate(params) if p.penalised]
+    if penalised:
+        rows = to_device(torch.tensor(penalised), logits.device) if len(penalised) < len(params) else slice(None)
+        part = [params[i] for i in penalised], [contexts[i] for i in penalised], [num_outputs[i] for i in penalised]
+        logits[rows] = _finite(penalise(logits[rows], *part))  # a penalty may overflow a logit to ±inf
+
+
+def _tempered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, V) each row's logits after temperature and top-k / top-p / min-p, what a draw's softmax is taken of;
+    and the (N, 6) settings: temperature, top_k, top_p, min_p, truncated, greedy."""
+    V = logits.shape[-1]
+    knobs = to_device(torch.tensor(
+        [[p.temperature or 1.0, min(p.top_k, V), p.top_p, p.min_p, p.truncated, p.greedy] for p in params],
+        dtype=torch.float64,
+    ), logits.device)  # (N, 6): one copy of every row's settings
+    # (l - max) / T: the same distribution as l / T, no overflow however small T is, and for T = 1 the very
+    # numbers softmax makes of l itself (it subtracts the max too), so a row draws the same in any batch
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / knobs[:, 0:1].to(torch.float32)
+    if any(p.truncated for p in params):
+        top_p, min_p = knobs[:, 2].to(torch.float32), knobs[:, 3].to(torch.float32)
+        masked = mask_top_k_top_p_min_p(logits, knobs[:, 1].to(torch.int64), top_p, min_p)
+        logits = torch.where(knobs[:, 4:5] > 0, masked, logits)  # untruncated rows exactly as alone
+    return logits, knobs
+
+
 def _finite(logits: torch.Tensor) -> torch.Tensor:
     """+inf becomes the largest float32 and NaN becomes -inf (never drawn); -inf stays."""
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
@@ -413,29 +438,26 @@ def _draw(
 ) -> torch.Tensor:
     """One token per row: its argmax for a greedy row, else a draw. A row without probability mass (no finite
     logit) gets its argmax too, so the token is always a vocabulary id."""
-    device, (N, V) = logits.device, logits.shape
+    device, N = logits.device, logits.shape[0]
     argmax = logits.argmax(dim=-1)
-    knobs = to_device(torch.tensor(
-        [[p.temperature or 1.0, min(p.top_k, V), p.top_p, p.min_p, p.truncated, p.greedy] for p in params],
-        dtype=torch.float64,
-    ), device)  # (N, 6): one copy of every row's settings
-    # (l - max) / T: the same distribution as l / T, no overflow however small T is, and for T = 1 the very
-    # numbers softmax makes of l itself (it subtracts the max too), so a row draws the same in any batch
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / knobs[:, 0:1].to(torch.float32)
-    if any(p.truncated for p in params):
-        top_p, min_p = knobs[:, 2].to(torch.float32), knobs[:, 3].to(torch.float32)
-        masked = mask_top_k_top_p_min_p(logits, knobs[:, 1].to(torch.int64), top_p, min_p)
-        logits = torch.where(knobs[:, 4:5] > 0, masked, logits)  # untruncated rows exactly as alone
-    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)  # (N, V); exact zeros outside the kept set
+    logits, knobs = _tempered(logits, params)
     u = torch.rand(N, dtype=torch.float64, device=device)
     if any(s is not None for s in seeds):
         counters = to_device(torch.tensor(
             [[_int64(s or 0), n, s is not None] for s, n in zip(seeds, num_outputs)], dtype=torch.int64
         ), device)  # (N, 3)
         u = torch.where(counters[:, 2] > 0, seeded_uniform(counters[:, 0], counters[:, 1]), u)
+    drawn = _inverse_cdf(logits.softmax(dim=-1).double(), u, argmax)  # exact zeros outside the kept set
+    return torch.where(knobs[:, 5] > 0, argmax, drawn)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """A draw per row from `probs` (N, V) (unnormalised, float64) with u in [0, 1); `fallback` where a row has
+    no mass (NaN or 0: no finite logit in the row)."""
+    cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
-    massless = ~(total[:, 0] > 0)  # NaN or 0: no finite logit in the row
+    massless = ~(total[:, 0] > 0)
     total = torch.where(massless[:, None], torch.ones_like(total), total)
     u = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # u < C_last, always
-    drawn = torch.searchsorted(cdf, u, right=True)[:, 0]
-    return torch.where(massless | (knobs[:, 5] > 0), argmax, drawn.clamp_max(V - 1))
+    drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
+    return torch.where(massless, fallback, drawn)

@@ -170,6 +170,12 @@ class Scheduler:
         req.ready_logits, req.draft = None, []
         req.prompt_cached = req.kv_from_file = False  # recomputed by the engine from here on
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back `req`'s pages past those of its first `num_tokens` tokens; its table ends there at most."""
+        keep = self.pool.pages_for(num_tokens)
+        self.pool.release(req.pages[keep:])
+        req.pages, req.table_len = req.pages[:keep], min(req.table_len, num_tokens)
+
     def add_fork(self, parent: Request, clone: Request) -> bool:
         """Run `clone` on a copy of parent's pages (full ones shared); if there is no room, queue it to be
         prefilled from the cache later. True when it runs now."""

@@ -39,10 +39,11 @@ from .sampling import (
     SamplingParams,
     _finite,
     _int64,
+    _inverse_cdf,
+    _penalise_rows,
     _score_columns,
+    _tempered,
     _unpack,
-    mask_top_k_top_p_min_p,
-    penalise,
     seeded_uniform,
     to_device,
 )
@@ -139,21 +140,9 @@ def target_probs(
     """(N, V) float64: the distribution the plain sampler (`sampling.sample`) draws each row from, with the
     same operations in the same order; a greedy row (or one without a finite logit) is one-hot at its argmax."""
     x = _finite(logits)
-    penalised = [i for i, p in enumerate(params) if p.penalised]
-    if penalised:
-        rows = to_device(torch.tensor(penalised), x.device)
-        part = [params[i] for i in penalised], [contexts[i] for i in penalised], [num_outputs[i] for i in penalised]
-        x[rows] = _finite(penalise(x[rows], *part))
-    N, V = x.shape
+    _penalise_rows(x, params, contexts, num_outputs)
     argmax = x.argmax(dim=-1)
-    knobs = to_device(torch.tensor(
-        [[p.temperature or 1.0, min(p.top_k, V), p.top_p, p.min_p, p.truncated, p.greedy] for p in params],
-        dtype=torch.float64,
-    ), x.device)  # (N, 6)
-    x = (x - x.amax(dim=-1, keepdim=True)) / knobs[:, 0:1].to(torch.float32)
-    if any(p.truncated for p in params):
-        masked = mask_top_k_top_p_min_p(x, knobs[:, 1].to(torch.int64), knobs[:, 2].float(), knobs[:, 3].float())
-        x = torch.where(knobs[:, 4:5] > 0, masked, x)
+    x, knobs = _tempered(x, params)
     probs = x.softmax(dim=-1).double()  # (N, V)
     point = ~(probs.sum(dim=-1) > 0) | (knobs[:, 5] > 0)  # massless or greedy: the argmax
     one_hot = torch.zeros_like(probs).scatter_(1, argmax[:, None], 1.0)
@@ -224,17 +213,6 @@ def _uniforms(seeds: list[int | None], outputs: list[int], device) -> tuple[torc
     return accept_u, draw_u
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """A draw per row from `probs` (unnormalised, float64) with u in [0, 1); `fallback` where a row has no mass."""
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:]
-    massless = ~(total[:, 0] > 0)
-    total = torch.where(massless[:, None], torch.ones_like(total), total)
-    u = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
-    return torch.where(massless, fallback, drawn)
-
-
 def _walk(reqs, host, chosen_lp, alternatives) -> list[Verified]:
     """Each request's accepted drafts and the token drawn at the first rejection (or after the last draft)."""
     out, row = [], 0
@@ -255,7 +233,7 @@ def _walk(reqs, host, chosen_lp, alternatives) -> list[Verified]:
 
 class SpeculativeSteps:
     """The engine's side of speculation: drafts before scheduling, verification after the forward, the rollback
-    of rejected drafts' memory. A mixin of `Engine`, which gives it `speculative`, `scheduler`, `pool`,
+    of rejected drafts' memory. A mixin of `Engine`, which gives it `speculative`, `scheduler`,
     `max_context`, `_counts` and `_append`."""
 
     def _propose_drafts(self) -> None:
@@ -296,10 +274,8 @@ class SpeculativeSteps:
         length = len(req.tokens)
         req.draft = []
         assert req.num_computed == length + v.drafted, "a verified request computed its whole draft"
-        keep = self.pool.pages_for(length + accepted)
-        self.pool.release(req.pages[keep:])
-        req.pages = req.pages[:keep]
-        req.num_computed, req.table_len = length, min(req.table_len, length + accepted)
+        self.scheduler.trim(req, length + accepted)
+        req.num_computed = length
         self._counts["draft_tokens"] += v.drafted
         self._counts["accepted_draft_tokens"] += accepted
         deltas = []
@@ -315,13 +291,13 @@ class SpeculativeSteps:
 
     def _drop_drafts(self) -> None:
         """After a step that failed before its drafts were verified: forget them and the memory taken for them."""
+        if self.speculative is None:  # no request has a draft: nothing to walk on every step
+            return
         for req in self.scheduler.running:
             if req.draft:
                 req.draft = []
                 req.num_computed = min(req.num_computed, len(req.tokens))
-                keep = self.pool.pages_for(req.num_computed)
-                self.pool.release(req.pages[keep:])
-                req.pages, req.table_len = req.pages[:keep], min(req.table_len, req.num_computed)
+                self.scheduler.trim(req, req.num_computed)
 
 
 def check_speculative_model(model, speculative: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
