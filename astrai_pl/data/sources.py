@@ -27,7 +27,7 @@ from .formats import infer_sections, row_format
 from .preflight import check_bos_once, check_model_fit, check_tokenizer
 from .preprocess import Section, preset_sections
 from .rows import DataError, Dropped, read_jsonl
-from .synthetic import OPERATORS, Problem, problems, synthetic_dataset
+from .synthetic import OPERATORS, Problem, check_train_range, problems, synthetic_dataset
 from .tokenized import load_jsonl, tokenize_dataset
 
 
@@ -45,6 +45,10 @@ class Arithmetic:
     """Operands are drawn from [0, max_operand]."""
     held_out_fraction: float = 0.1
     """Share of all possible problems reserved for the held-out split."""
+    train_range: tuple[float, float] = (0.0, 1.0)
+    """The part of the training problems used, [low, high) of a fixed hash of each problem: stages given
+    ranges that do not overlap ([0, 0.5] and [0.5, 1]) train on different problems. The held-out split is
+    the same whatever the range."""
 
     def __post_init__(self) -> None:
         if self.train_rows < 1 or self.test_rows < 1:
@@ -60,9 +64,14 @@ class Arithmetic:
             raise ConfigError(f"Arithmetic.max_operand={self.max_operand}: must be >= 1")
         if not 0.0 < self.held_out_fraction < 1.0:
             raise ConfigError(f"Arithmetic.held_out_fraction={self.held_out_fraction}: must lie in (0, 1)")
+        try:
+            check_train_range(self.train_range)
+        except ValueError as e:
+            raise ConfigError(f"Arithmetic.{e}") from None
 
     def options(self) -> dict[str, Any]:
-        return {"ops": self.ops, "max_operand": self.max_operand, "held_out_fraction": self.held_out_fraction}
+        return {"ops": self.ops, "max_operand": self.max_operand, "held_out_fraction": self.held_out_fraction,
+                "train_range": tuple(self.train_range)}
 
     def problems(self, split: str, seed: int = 0, n: int | None = None) -> list[Problem]:
         """The problems behind the rows of `split` ("train" or "test"); `n` defaults to that split's rows."""

@@ -50,6 +50,12 @@ def is_held_out(problem: Problem, fraction: float = 0.1) -> bool:
     return zlib.crc32(problem.question.encode()) % 10_000 < fraction * 10_000
 
 
+def train_position(problem: Problem) -> float:
+    """Where `problem` falls in [0, 1), by a hash of its text other than `is_held_out`'s: `train_range` keeps the
+    training problems whose position lies in it, so two ranges that do not overlap share no problem."""
+    return (zlib.crc32(b"train:" + problem.question.encode()) % 10_000) / 10_000
+
+
 def problems(
     n: int,
     split: str = "train",
@@ -57,8 +63,10 @@ def problems(
     ops: Sequence[str] = ("+", "-"),
     max_operand: int = 99,
     held_out_fraction: float = 0.1,
+    train_range: Sequence[float] = (0.0, 1.0),
 ) -> list[Problem]:
-    """`n` problems (repeats possible) with operands in [0, max_operand], all of `split` (train or test)."""
+    """`n` problems (repeats possible) with operands in [0, max_operand], all of `split` (train or test); of
+    the training problems only those whose `train_position` lies in [train_range[0], train_range[1])."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; use one of {SPLITS}")
     unknown = [op for op in ops if op not in OPERATORS]
@@ -66,15 +74,26 @@ def problems(
         raise ValueError(f"ops={list(ops)}; use a non-empty subset of {sorted(OPERATORS)}")
     if not 0.0 < held_out_fraction < 1.0:
         raise ValueError(f"held_out_fraction={held_out_fraction}; must lie in (0, 1)")
-    return list(islice(draw(random.Random(f"{seed}:{split}"), split, ops, max_operand, held_out_fraction), n))
+    check_train_range(train_range)
+    rng = random.Random(f"{seed}:{split}")
+    return list(islice(draw(rng, split, ops, max_operand, held_out_fraction, train_range), n))
 
 
-def draw(rng: random.Random, split: str, ops: Sequence[str], max_operand: int, held_out_fraction: float
-         ) -> Iterator[Problem]:
+def check_train_range(train_range: Sequence[float]) -> None:
+    if not (len(train_range) == 2 and 0.0 <= train_range[0] < train_range[1] <= 1.0):
+        raise ValueError(f"train_range={list(train_range)}; give [low, high] with 0 <= low < high <= 1")
+
+
+def draw(rng: random.Random, split: str, ops: Sequence[str], max_operand: int, held_out_fraction: float,
+         train_range: Sequence[float] = (0.0, 1.0)) -> Iterator[Problem]:
     """Problems of `split` from `rng`, without end."""
+    low, high = train_range
     while True:
         p = Problem(rng.randint(0, max_operand), rng.choice(list(ops)), rng.randint(0, max_operand))
-        if is_held_out(p, held_out_fraction) == (split == "test"):
+        if split == "test":
+            if is_held_out(p, held_out_fraction):
+                yield p
+        elif not is_held_out(p, held_out_fraction) and low <= train_position(p) < high:
             yield p
 
 
@@ -92,7 +111,7 @@ def generate_rows(kind: str, n: int, split: str = "train", seed: int = 0, **opti
     rng = random.Random(f"{seed}:{split}:wrong")  # apart from the problems' generator: rows of every kind agree
     turns = random.Random(f"{seed}:{split}:follow-up")  # likewise: the first question of row i is the same
     follow_ups = draw(turns, split, options.get("ops", ("+", "-")), options.get("max_operand", 99),
-                      options.get("held_out_fraction", 0.1))
+                      options.get("held_out_fraction", 0.1), options.get("train_range", (0.0, 1.0)))
     for p in problems(n, split, seed, **options):
         row = arithmetic_row(p.question, p.answer, wrong_answer(p, rng))
         if kind == "sft" and turns.randrange(FOLLOW_UP_EVERY) == 0:

@@ -2,6 +2,7 @@ import pytest
 
 from astrai_pl.data.formats import encode_preference, encode_prompt, encode_row, infer_sections
 from astrai_pl.data.preflight import check_tokenizer
+from astrai_pl.data.sources import Arithmetic
 from astrai_pl.data.synthetic import (
     Problem,
     accuracy,
@@ -11,6 +12,7 @@ from astrai_pl.data.synthetic import (
     problems,
     synthetic_dataset,
 )
+from astrai_pl.model import ConfigError
 from astrai_pl.tokenizer import Tokenizer
 
 
@@ -25,6 +27,30 @@ def test_problems_are_seeded_correct_and_the_held_out_split_is_disjoint():
     assert Problem(3, "-", 9).answer == "-6" and Problem(12, "*", 11).answer == "132"
     with pytest.raises(ValueError, match="split"):
         problems(1, "validation")
+
+
+def test_train_ranges_split_the_training_problems_and_leave_the_held_out_ones_alone():
+    options = dict(ops=("+", "-"), max_operand=14)
+    whole = set(problems(20000, "train", seed=0, **options))
+    first = set(problems(20000, "train", seed=0, train_range=(0.0, 0.5), **options))
+    second = set(problems(20000, "train", seed=0, train_range=(0.5, 1.0), **options))
+    assert first and second and not first & second and first | second == whole
+    assert 0.35 < len(first) / len(whole) < 0.65
+    assert problems(500, "train", seed=3, **options) == problems(500, "train", seed=3, train_range=(0, 1), **options)
+    held_out = problems(300, "test", seed=0, **options)
+    assert held_out == problems(300, "test", seed=0, train_range=(0.0, 0.5), **options)
+    sft_rows = list(generate_rows("sft", 300, seed=0, train_range=(0.0, 0.5), **options))
+    for row in sft_rows:  # follow-up questions come from the same part
+        for turn in row["messages"][::2]:
+            a, op, b = turn["content"].removeprefix("What is ").removesuffix("?").split()
+            assert Problem(int(a), op, int(b)) in first
+    for bad in ((0.5, 0.5), (-0.1, 0.5), (0.2, 1.1), (0.1,)):
+        with pytest.raises(ValueError, match="train_range"):
+            problems(1, "train", train_range=bad)
+    with pytest.raises(ConfigError, match="Arithmetic.train_range"):
+        Arithmetic(train_range=(0.6, 0.4))
+    assert Arithmetic(train_range=(0.0, 0.5)).problems("train", 0, 50) == problems(
+        50, "train", 0, max_operand=99, train_range=(0.0, 0.5))
 
 
 def test_rows_of_each_kind_encode_with_the_inferred_sections():
