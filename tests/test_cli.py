@@ -10,6 +10,7 @@ import yaml
 
 from astrai_pl.cli import lightning_main, main
 from astrai_pl.model import LoraConfig, Transformer
+from astrai_pl.model.trainable_tokens import token_ids
 from astrai_pl.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +34,7 @@ def test_every_shipped_config_parses_and_instantiates(config):
         assert set(lora) == {f.name for f in dataclasses.fields(LoraConfig)}
         tokens = lora.get("trainable_token_indices")  # token strings are kept as the tokenizer's ids
         if tokens is not None:
-            lora["trainable_token_indices"] = sorted(cli.datamodule.tokenizer.token_to_id(t) for t in tokens)
+            lora["trainable_token_indices"] = token_ids(tokens, cli.datamodule.tokenizer, cli.model.model.config.vocab_size)
         assert cli.model.model.lora_config == LoraConfig(**lora)
 
 

@@ -37,7 +37,7 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -80,10 +80,10 @@ class LoraConfig:
     """Whole modules trained besides the adapters (e.g. ["lm_head"]), saved in full in the adapter."""
     bias: str = "none"
     """Which biases train: only "none" (PEFT's default) is supported."""
-    trainable_token_indices: list[str | int] | dict[str, list[str | int]] | None = None
+    trainable_token_indices: list[str | int] | dict[str, list[str | int]] | Literal["all"] | None = None
     """Tokens whose embedding rows train (the rest of the embedding stays frozen), e.g. a chat template's
     special tokens: ids (numbers) or token strings (quoted: "0" is the token 0, not id 0; resolved with the
-    run's tokenizer), as a list or {embed_tokens: [...]}.
+    run's tokenizer), as a list or {embed_tokens: [...]}; all: every row.
     With tied embeddings the output layer uses the same rows (trainable_tokens.py)."""
 
     def __post_init__(self) -> None:

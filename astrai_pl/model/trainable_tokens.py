@@ -10,7 +10,9 @@ noise, and under tied embeddings the same row is the output layer's, so the mode
 Every other row, and E itself, stays frozen. With tied embeddings the output layer computes its logits from the
 same E' (PEFT ties its token adapter to the lm_head the same way). The field takes token ids or token strings
 (`["<|im_start|>", "<|im_end|>"]`, resolved with the run's tokenizer), as a list (the input embedding) or as
-`{embed_tokens: [...]}`, PEFT's per-module form.
+`{embed_tokens: [...]}`, PEFT's per-module form; `all` trains every row, which with tied embeddings is the
+whole output layer too (a tied model cannot name `embed_tokens` in `modules_to_save`; an adapter saves the ids
+0..V-1, as PEFT would write that list).
 
 R is saved as PEFT saves it, `base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta`
 (n, hidden): despite PEFT's name, the new rows themselves, not a difference.
@@ -29,24 +31,28 @@ from .layers import Linear
 
 FIELD = "model.init_args.lora.trainable_token_indices"
 EMBEDDING = "embed_tokens"
+ALL = "all"  # every row
 ROWS_KEY = "embed_tokens.token_rows"  # our state-dict key of R
 
 
 def check_token_indices(value: Any) -> None:
-    """ConfigError unless `value` is None, a non-empty list of ids/token strings, or {embed_tokens: that list}."""
+    """ConfigError unless `value` is None, "all", a non-empty list of ids/token strings, or {embed_tokens: that
+    list}."""
     entries = value.get(EMBEDDING) if isinstance(value, dict) and set(value) == {EMBEDDING} else value
-    if value is None:
+    if value is None or value == ALL:
         return
     if not (isinstance(entries, (list, tuple)) and entries and all(
             isinstance(e, str) and e or isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in entries)):
         raise ConfigError(f"{FIELD}={value!r}: give a list of token ids or token strings (e.g. ['<|im_start|>', "
-                          "'<|im_end|>']), or {embed_tokens: [...]}; only the input embedding (and an output layer "
+                          "'<|im_end|>']), {embed_tokens: [...]} or all; only the input embedding (and an output layer "
                           "tied to it) can train single tokens here")
 
 
-def token_ids(value: list | dict, tokenizer: Any, vocab_size: int) -> list[int]:
+def token_ids(value: list | dict | str, tokenizer: Any, vocab_size: int) -> list[int]:
     """The sorted, distinct ids `value` names; token strings resolved with `tokenizer`. ConfigError for a string
-    the tokenizer does not know (or no tokenizer), or an id past the embedding."""
+    the tokenizer does not know (or no tokenizer), or an id past the embedding. "all": every id."""
+    if value == ALL:
+        return list(range(vocab_size))
     entries = value[EMBEDDING] if isinstance(value, dict) else value
     found = set()
     for entry in entries:
@@ -109,7 +115,7 @@ class TokenHead(Linear):
         return F.linear(x, self.merged_weight(), self.bias)  # (…, V)
 
 
-def add_trainable_tokens(model: nn.Module, value: list | dict, tokenizer: Any) -> list[int]:
+def add_trainable_tokens(model: nn.Module, value: list | dict | str, tokenizer: Any) -> list[int]:
     """Give `model` (its parameters already frozen) trainable rows for the tokens `value` names; the ids."""
     indices = token_ids(value, tokenizer, model.config.vocab_size)
     embedding = TokenEmbedding(model.embed_tokens, indices)

@@ -112,6 +112,30 @@ def test_our_trainable_tokens_load_in_peft_with_our_logits(tmp_path, tie):
     assert adapter_state(back).keys() == adapter_state(model).keys()
 
 
+def test_all_trains_every_row_of_a_tied_embedding_and_saves_their_ids_for_peft(tmp_path):
+    model = our_model("llama", tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "base")
+    vocab = model.config.vocab_size
+    apply_lora(model, LoraConfig(r=4, lora_alpha=8, trainable_token_indices="all"))
+    assert model.lora_config.trainable_token_indices == list(range(vocab))
+    assert model.embed_tokens.token_rows.shape == (vocab, model.config.hidden_size)
+    x = ids(model)
+    model(x).logits.logsumexp(-1).sum().backward()  # every output row gets a gradient through the softmax
+    assert (model.embed_tokens.token_rows.grad.abs().sum(-1) > 0).all()
+    with torch.no_grad():
+        model.embed_tokens.token_rows.add_(torch.randn(model.embed_tokens.token_rows.shape,
+                                                       generator=torch.Generator().manual_seed(0)))
+    model.eval().save_pretrained(tmp_path / "adapter")
+    written = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())["trainable_token_indices"]
+    assert written == list(range(vocab))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    torch.testing.assert_close(model(x).logits, theirs(x).logits, atol=1e-4, rtol=0)
+    for bad in ("every", {"embed_tokens": "all"}):
+        with pytest.raises(ConfigError, match="trainable_token_indices"):
+            LoraConfig(trainable_token_indices=bad)
+
+
 def test_a_peft_written_token_adapter_loads_here_with_peft_s_logits(tmp_path):
     our_model("llama", tie_word_embeddings=True).save_pretrained(tmp_path / "base")
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager")
