@@ -16,6 +16,7 @@ from astrai_pl.data.formats import encode_rows, infer_sections
 from astrai_pl.data.synthetic import FOLLOW_UP_EVERY, Problem, generate_rows, is_held_out, policy_pairs
 from astrai_pl.demo import (
     CONFIGS,
+    STAGE_OVERRIDES,
     report_failures,
     sampled_answers,
     stage_failure,
@@ -131,3 +132,22 @@ def test_a_lost_point_is_reported_and_fails_the_demo_only_when_strict(capsys):
     assert failure in capsys.readouterr().out
     with pytest.raises(SystemExit, match="fell by 2.5%"):
         report_failures([failure], strict=True)
+
+
+def test_each_post_training_stage_learns_from_training_problems_of_its_own(tmp_path):
+    """The demo's SFT, DPO and GRPO stages, parsed as it runs them: their training problems do not overlap, and
+    all hold out the same problems."""
+    base = tmp_path / "base"
+    Transformer(ModelConfig.from_name("debug")).save_pretrained(base, tokenizer=Tokenizer.byte_level())
+    stages = {}
+    for stage in ("sft", "dpo", "grpo"):
+        args = ["--config", str(CONFIGS / stage / "tiny.yaml"), "--model.init_args.init_from", str(base),
+                "--trainer.logger", "false", *STAGE_OVERRIDES[stage]]
+        stages[stage] = lightning_main(args, run=False).datamodule.synthetic
+    train = {stage: set(task.problems("train", 0)) for stage, task in stages.items()}
+    assert all(train.values())
+    assert not train["sft"] & train["dpo"] and not train["sft"] & train["grpo"] and not train["dpo"] & train["grpo"]
+    assert len(train["sft"]) > 3 * (len(train["dpo"]) + len(train["grpo"]))  # SFT needs most of them
+    held_out = {stage: task.problems("test", 0) for stage, task in stages.items()}
+    assert held_out["sft"] == held_out["dpo"] == held_out["grpo"]
+    assert not set(held_out["sft"]) & set().union(*train.values())
