@@ -82,12 +82,15 @@ class TokenEmbedding(nn.Embedding):
         index = torch.tensor(indices, dtype=torch.long, device=base.weight.device)
         self.register_buffer("token_indices", index, persistent=False)
         self.token_rows = nn.Parameter(base.weight.detach()[index].clone())  # (n, hidden)
+        self.every_row = indices == list(range(self.num_embeddings))  # E' is R itself: no (V, hidden) copy
         self.enabled = True
 
     def merged_weight(self) -> torch.Tensor:
         """E' (V, hidden): the base's rows with the trained ones in place (E itself while switched off)."""
         if not self.enabled:
             return self.weight
+        if self.every_row:
+            return self.token_rows.to(self.weight.dtype)
         return self.weight.index_copy(0, self.token_indices, self.token_rows.to(self.weight.dtype))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
