@@ -84,17 +84,27 @@ def check_train_range(train_range: Sequence[float]) -> None:
         raise ValueError(f"train_range={list(train_range)}; give [low, high] with 0 <= low < high <= 1")
 
 
+MAX_MISSES = 100_000  # draws in a row outside the split before it is taken to be empty
+
+
 def draw(rng: random.Random, split: str, ops: Sequence[str], max_operand: int, held_out_fraction: float,
          train_range: Sequence[float] = (0.0, 1.0)) -> Iterator[Problem]:
-    """Problems of `split` from `rng`, without end."""
+    """Problems of `split` from `rng`, without end. ValueError when MAX_MISSES draws in a row fall outside the
+    split (options that leave it empty, e.g. a train_range too narrow for a few operands)."""
     low, high = train_range
+    misses = 0
     while True:
         p = Problem(rng.randint(0, max_operand), rng.choice(list(ops)), rng.randint(0, max_operand))
-        if split == "test":
-            if is_held_out(p, held_out_fraction):
-                yield p
-        elif not is_held_out(p, held_out_fraction) and low <= train_position(p) < high:
+        held_out = is_held_out(p, held_out_fraction)
+        if held_out if split == "test" else not held_out and low <= train_position(p) < high:
+            misses = 0
             yield p
+        else:
+            misses += 1
+            if misses == MAX_MISSES:
+                raise ValueError(f"no {split} problem in {MAX_MISSES:,} draws with max_operand={max_operand}, "
+                                 f"held_out_fraction={held_out_fraction}, train_range={list(train_range)}: the split "
+                                 "is empty or nearly so; widen train_range or held_out_fraction, or raise max_operand")
 
 
 def wrong_answer(problem: Problem, rng: random.Random) -> str:

@@ -44,6 +44,10 @@ def test_train_ranges_split_the_training_problems_and_leave_the_held_out_ones_al
         for turn in row["messages"][::2]:
             a, op, b = turn["content"].removeprefix("What is ").removesuffix("?").split()
             assert Problem(int(a), op, int(b)) in first
+    with pytest.raises(ValueError, match="no train problem in 100,000 draws"):  # an empty part: refused, not a hang
+        problems(3, "train", max_operand=1, train_range=(0.9999, 1.0))
+    with pytest.raises(ValueError, match="no test problem"):
+        problems(3, "test", max_operand=1, held_out_fraction=0.0001)
     for bad in ((0.5, 0.5), (-0.1, 0.5), (0.2, 1.1), (0.1,)):
         with pytest.raises(ValueError, match="train_range"):
             problems(1, "train", train_range=bad)
