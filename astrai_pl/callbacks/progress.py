@@ -8,7 +8,9 @@ have passed without a line, on rank 0:
     [pretrain] step 48/160 (30%) | train/loss 2.913 | 21.4k tokens/s | elapsed 0:22 | ETA 0:52
 
 Tokens are the real (non-padding) tokens of every `*input_ids` tensor of a batch (both sides of a DPO
-pair), and for GRPO, whose batches hold prompts, those of each rollout's prompts and completions; with
+pair). Where batches hold prompts only, they are those of what the step trained on: the objective's
+`trained_sequences` (Distill, OnlineDPO: the prompts with their sampled or given completions), or, for
+GRPO and RLOO, each rollout's prompts and completions, counted once however many steps train on it; with
 several ranks, rank 0's count times the world size. The ETA is the steps left at the rate since training
 started (validation included, as it will be in the time left).
 
@@ -131,6 +133,8 @@ class ProgressLines(L.Callback):
     def _count(self, pl_module: L.LightningModule, batch: Any) -> None:
         pad_id = getattr(getattr(getattr(pl_module, "model", None), "config", None), "pad_token_id", None)
         tokens = batch_tokens(batch, pad_id)
+        if tokens is None:  # a batch of prompts: the sequences the step built from them and trained on
+            tokens = batch_tokens(getattr(pl_module, "trained_sequences", None), pad_id)
         rollout = getattr(pl_module, "rollout", None)  # GRPO: batches of prompts, trained on their rollouts
         if tokens is None and rollout is not None and rollout is not self._rollout:
             self._rollout = rollout

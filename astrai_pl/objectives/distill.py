@@ -117,6 +117,7 @@ class Distill(Objective):
         self._teacher = None if teacher_model is not None else ServerTeacher(
             teacher_url, teacher_model_name, teacher_top_k, teacher_api_key_env, teacher_timeout)
         self._engines: dict[str, Any] = {}  # "student" / "teacher": the generation engines, built on first use
+        self.trained_sequences: dict[str, torch.Tensor] | None = None  # the last training step's packed sequences
 
     @property
     def teacher(self) -> ModelTeacher | ServerTeacher:
@@ -178,6 +179,8 @@ class Distill(Objective):
     def _shared_step(self, batch: dict[str, Any], stage: str):
         source = self.source(stage)
         part = self.sequences(batch, source)
+        if self.training:
+            self.trained_sequences = part  # what ProgressLines counts as this step's tokens
         hidden, _ = self.model.hidden_states(part["input_ids"])
         rows, _, _ = scored_rows(hidden, next_token_targets(part["labels"]))  # (N, H)
         student = self.model.lm_head(rows)  # (N, V)

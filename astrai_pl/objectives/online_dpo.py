@@ -95,6 +95,7 @@ class OnlineDPO(Objective):
         self.hparams["reward_funcs"] = [spec_name(s) for s in specs]
         self.ref_model = frozen_copy(self.model) if self.model.lora_config is None else None
         self._engine = None
+        self.trained_sequences: dict[str, Any] | None = None  # the last training step's sampled pairs, packed
 
     def configure_model(self) -> None:
         check_whole_model("OnlineDPO", self.trainer if self._trainer is not None else None)
@@ -129,6 +130,8 @@ class OnlineDPO(Objective):
 
     def _shared_step(self, batch: dict[str, Any], stage: str):
         pairs = self.sample_pairs(batch)
+        if self.training:
+            self.trained_sequences = pairs  # what ProgressLines counts as this step's tokens
         logps = token_logprobs(self.model, pairs["input_ids"], pairs["labels"])  # (2P, T), gradients flow here
         ref = reference_logps(self.ref_model, self.model, pairs)  # (2P, T)
         policy, reference = sequence_logprobs(logps, pairs["mask"]), sequence_logprobs(ref, pairs["mask"])

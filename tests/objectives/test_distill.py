@@ -7,6 +7,7 @@ import pytest
 import torch
 from fit_runs import quiet_trainer
 
+from astrai_pl.callbacks.progress import ProgressLines, batch_tokens
 from astrai_pl.data import Arithmetic, GRPOData
 from astrai_pl.data.packing import IGNORE_INDEX
 from astrai_pl.data.synthetic import problems
@@ -95,10 +96,21 @@ def test_distill_trains_a_few_steps_toward_the_teacher(tmp_path, teacher_dir):
     with torch.no_grad():
         before = module._shared_step(batch, "val")[0].item()
     data = GRPOData(synthetic=Arithmetic(train_rows=100, test_rows=10), batch_size=4, cache_dir=str(tmp_path))
-    quiet_trainer(devices=1, max_steps=8, limit_val_batches=0).fit(module, datamodule=data)
+    trained, sequences = [], module.sequences
+
+    def recorded(batch, source):  # the real tokens of each step's sequences, as trained
+        part = sequences(batch, source)
+        trained.append(int(batch_tokens(part, module.model.config.pad_token_id)))
+        return part
+
+    module.sequences = recorded
+    progress = ProgressLines(name="distill", every_fraction=1.0, every_seconds=None)
+    quiet_trainer(devices=1, max_steps=8, limit_val_batches=0, callbacks=[progress]).fit(module, datamodule=data)
+    del module.sequences
     with torch.no_grad():
         after = module._shared_step(batch, "val")[0].item()
     assert after < before  # the divergence to the teacher on held-out sequences went down
+    assert len(trained) == 8 and progress.summary.tokens == sum(trained) > 0  # its tokens/s counts what it trained on
     assert not any(k.startswith("teacher") for k in module.state_dict())  # checkpoints hold the student only
 
 

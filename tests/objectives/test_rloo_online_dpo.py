@@ -7,6 +7,7 @@ import pytest
 import torch
 from fit_runs import quiet_trainer
 
+from astrai_pl.callbacks.progress import ProgressLines, batch_tokens
 from astrai_pl.cli import lightning_main
 from astrai_pl.data import Arithmetic, GRPOData
 from astrai_pl.data.synthetic import problems
@@ -129,9 +130,20 @@ def test_missing_eos_penalty_lowers_the_reward_of_cut_completions():
 def test_online_dpo_trains_a_few_steps_on_the_debug_preset(tmp_path):
     module = build(OnlineDPO, max_new_tokens=6)
     before = [p.detach().clone() for p in module.model.parameters()]
-    quiet_trainer(devices=1, fast_dev_run=2, accumulate_grad_batches=2).fit(module, datamodule=data(tmp_path))
+    trained, sample_pairs = [], module.sample_pairs
+
+    def recorded(batch):  # the real tokens of each micro-batch's sampled pairs
+        pairs = sample_pairs(batch)
+        trained.append(int(batch_tokens(pairs, module.model.config.pad_token_id)))
+        return pairs
+
+    module.sample_pairs = recorded
+    progress = ProgressLines(name="online_dpo", every_fraction=1.0, every_seconds=None)
+    quiet_trainer(devices=1, max_steps=2, limit_val_batches=0, accumulate_grad_batches=2,
+                  callbacks=[progress]).fit(module, datamodule=data(tmp_path))
     assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(before, module.ref_model.parameters()))
+    assert len(trained) == 4 and progress.summary.tokens == sum(trained) > 0  # its tokens/s counts what it trained on
 
 
 @pytest.mark.slow  # a data module and a Trainer from the shipped config: ~10 s
