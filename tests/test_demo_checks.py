@@ -24,6 +24,7 @@ from astrai_pl.demo import (
     training_record,
     write_policy_pairs,
 )
+from astrai_pl.evaluation.tasks import small_arithmetic_rows
 from astrai_pl.model import ModelConfig, Transformer
 from astrai_pl.tokenizer import Tokenizer
 
@@ -136,7 +137,7 @@ def test_a_lost_point_is_reported_and_fails_the_demo_only_when_strict(capsys):
 
 def test_each_post_training_stage_learns_from_training_problems_of_its_own(tmp_path):
     """The demo's SFT, DPO and GRPO stages, parsed as it runs them: their training problems do not overlap, and
-    all hold out the same problems."""
+    all hold out the same problems, which the demo scores each once: lm-eval's astrai_arithmetic_small."""
     base = tmp_path / "base"
     Transformer(ModelConfig.from_name("debug")).save_pretrained(base, tokenizer=Tokenizer.byte_level())
     stages = {}
@@ -151,3 +152,6 @@ def test_each_post_training_stage_learns_from_training_problems_of_its_own(tmp_p
     held_out = {stage: task.problems("test", 0) for stage, task in stages.items()}
     assert held_out["sft"] == held_out["dpo"] == held_out["grpo"]
     assert not set(held_out["sft"]) & set().union(*train.values())
+    scored = {stage: task.held_out_set() for stage, task in stages.items()}
+    assert scored["sft"] == scored["dpo"] == scored["grpo"] and set(scored["sft"]) == set(held_out["sft"])
+    assert [{"question": p.question, "answer": p.answer} for p in scored["sft"]] == small_arithmetic_rows()

@@ -27,7 +27,7 @@ from .formats import infer_sections, row_format
 from .preflight import check_bos_once, check_model_fit, check_tokenizer
 from .preprocess import Section, preset_sections
 from .rows import DataError, Dropped, read_jsonl
-from .synthetic import OPERATORS, Problem, check_train_range, problems, synthetic_dataset
+from .synthetic import OPERATORS, Problem, check_train_range, held_out_set, problems, synthetic_dataset
 from .tokenized import load_jsonl, tokenize_dataset
 
 
@@ -77,6 +77,10 @@ class Arithmetic:
         """The problems behind the rows of `split` ("train" or "test"); `n` defaults to that split's rows."""
         n = (self.train_rows if split == "train" else self.test_rows) if n is None else n
         return problems(n, split, seed, **self.options())
+
+    def held_out_set(self) -> list[Problem]:
+        """Every held-out problem of these options, each once (`synthetic.held_out_set`)."""
+        return held_out_set(self.ops, self.max_operand, self.held_out_fraction)
 
     def dataset(self, kind: str, split: str, seed: int, cache_dir: str | None) -> Dataset:
         n = self.train_rows if split == "train" else self.test_rows

@@ -50,6 +50,15 @@ def is_held_out(problem: Problem, fraction: float = 0.1) -> bool:
     return zlib.crc32(problem.question.encode()) % 10_000 < fraction * 10_000
 
 
+def held_out_set(ops: Sequence[str] = ("+", "-"), max_operand: int = 99, held_out_fraction: float = 0.1
+                 ) -> list[Problem]:
+    """Every held-out problem with operands in [0, max_operand], each once, in a fixed order (first operand,
+    operator, second operand): the exact held-out accuracy is the share of these answered right, where the
+    `test` rows draw problems with repeats and so weigh some several times and others not at all."""
+    return [p for a in range(max_operand + 1) for op in ops for b in range(max_operand + 1)
+            if is_held_out(p := Problem(a, op, b), held_out_fraction)]
+
+
 def train_position(problem: Problem) -> float:
     """Where `problem` falls in [0, 1), by a hash of its text other than `is_held_out`'s: `train_range` keeps the
     training problems whose position lies in it, so two ranges that do not overlap share no problem."""

@@ -138,10 +138,9 @@ def arithmetic_rows(n: int = ARITHMETIC_ROWS, seed: int = 0) -> list[dict[str, s
 def small_arithmetic_rows(max_operand: int = SMALL_OPERAND) -> list[dict[str, str]]:
     """Every held-out problem with operands in [0, max_operand] (+ and -), in a fixed order: the range the
     shipped tiny configs (and so the demo) train on, where `arithmetic_rows`' 0..99 lie outside it."""
-    from ..data.synthetic import Problem, is_held_out
+    from ..data.synthetic import held_out_set
 
-    rows = [Problem(a, op, b) for a in range(max_operand + 1) for op in ("+", "-") for b in range(max_operand + 1)]
-    return [{"question": p.question, "answer": p.answer} for p in rows if is_held_out(p)]
+    return [{"question": p.question, "answer": p.answer} for p in held_out_set(("+", "-"), max_operand)]
 
 
 def _sentences(text: str) -> list[str]:

@@ -9,6 +9,8 @@ from astrai_pl.data.synthetic import (
     exact_match,
     extract_answer,
     generate_rows,
+    held_out_set,
+    is_held_out,
     problems,
     synthetic_dataset,
 )
@@ -55,6 +57,21 @@ def test_train_ranges_split_the_training_problems_and_leave_the_held_out_ones_al
         Arithmetic(train_range=(0.6, 0.4))
     assert Arithmetic(train_range=(0.0, 0.5)).problems("train", 0, 50) == problems(
         50, "train", 0, max_operand=99, train_range=(0.0, 0.5))
+
+
+def test_the_held_out_set_is_every_held_out_problem_once():
+    """What the demo scores: each held-out problem of the range once, where the test rows repeat some problems
+    and may miss others."""
+    options = dict(ops=("+", "-"), max_operand=14)
+    every = held_out_set(**options)
+    assert len(every) == len(set(every)) == 48 and all(is_held_out(p) for p in every)
+    drawn = problems(5000, "test", seed=7, **options)
+    assert set(drawn) == set(every) and len(drawn) > len(every)
+    assert not set(every) & set(problems(5000, "train", seed=7, **options))
+    assert every == sorted(every, key=lambda p: (p.a, "+-".index(p.op), p.b))
+    wider = held_out_set(("+", "-", "*"), 20, held_out_fraction=0.3)
+    assert {p.op for p in wider} == {"+", "-", "*"} and 0.25 < len(wider) / (3 * 21 * 21) < 0.35
+    assert Arithmetic(max_operand=14).held_out_set() == every
 
 
 def test_rows_of_each_kind_encode_with_the_inferred_sections():
