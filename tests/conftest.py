@@ -59,11 +59,17 @@ def _pointers() -> list[Path]:
     return [root / "latest" for root in roots if (root / "latest").is_symlink() or (root / "latest").exists()]
 
 
+def _version(run: Path) -> int:
+    suffix = run.name.removeprefix("version_")
+    return int(suffix) if suffix.isdigit() else -1
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _repository_runs_left_as_found():
     """Tests that instantiate a shipped config without a root of their own claim a run directory under the
     repository's runs/ and move its `latest`: afterwards the empty version_N folders they made go and each
-    `latest` names again what it named, so `make test` after `make demo` leaves the demo's runs the newest."""
+    `latest` names again what it named, so `make test` after `make demo` leaves the demo's runs the newest. A run
+    that trained beside the tests (`make demo` in another shell) keeps its folder, and `latest` names it."""
     roots = set(RUNS.iterdir()) if RUNS.is_dir() else set()
     runs = set(RUNS.glob("*/version_*"))
     pointers = {p: _pointer(p) for p in _pointers()}
@@ -71,17 +77,22 @@ def _repository_runs_left_as_found():
     for run in set(RUNS.glob("*/version_*")) - runs:
         if run.is_dir() and not any(run.iterdir()):
             run.rmdir()
-    for pointer in _pointers():
-        before = pointers.get(pointer)
-        if before is not None and _pointer(pointer) != before:
-            pointer.unlink()
-            symlink, name = before
+    beside = [run for run in set(RUNS.glob("*/version_*")) - runs if run.is_dir()]  # what was trained meanwhile
+    for pointer in set(_pointers()) | set(pointers):
+        newest = max((run for run in beside if run.parent == pointer.parent), key=_version, default=None)
+        target = (True, newest.name) if newest is not None else pointers.get(pointer)
+        present = pointer.is_symlink() or pointer.exists()
+        if target is None:
+            if present and not pointer.exists():  # it named an empty run removed above (dangling)
+                pointer.unlink()
+        elif pointer.parent.is_dir() and (not present or _pointer(pointer) != target):
+            if present:
+                pointer.unlink()
+            symlink, name = target
             if symlink:
                 os.symlink(name, pointer, target_is_directory=True)
             else:
                 pointer.write_text(name)
-        elif before is None and not pointer.exists():  # it named an empty run removed above (dangling)
-            pointer.unlink()
     for root in (set(RUNS.iterdir()) if RUNS.is_dir() else set()) - roots:
         if root.is_dir() and not any(root.iterdir()):
             root.rmdir()
