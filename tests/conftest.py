@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from astrai_pl.checkpoint.runs import VERSION, point_latest
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tokenized data is cached per test session, never in the user's home.
@@ -59,11 +61,6 @@ def _pointers() -> list[Path]:
     return [root / "latest" for root in roots if (root / "latest").is_symlink() or (root / "latest").exists()]
 
 
-def _version(run: Path) -> int:
-    suffix = run.name.removeprefix("version_")
-    return int(suffix) if suffix.isdigit() else -1
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _repository_runs_left_as_found():
     """Tests that instantiate a shipped config without a root of their own claim a run directory under the
@@ -77,18 +74,21 @@ def _repository_runs_left_as_found():
     for run in set(RUNS.glob("*/version_*")) - runs:
         if run.is_dir() and not any(run.iterdir()):
             run.rmdir()
-    beside = [run for run in set(RUNS.glob("*/version_*")) - runs if run.is_dir()]  # what was trained meanwhile
+    beside = [run for run in set(RUNS.glob("*/version_*")) - runs if run.is_dir() and VERSION.fullmatch(run.name)]
     for pointer in set(_pointers()) | set(pointers):
-        newest = max((run for run in beside if run.parent == pointer.parent), key=_version, default=None)
-        target = (True, newest.name) if newest is not None else pointers.get(pointer)
+        root, before = pointer.parent, pointers.get(pointer)
+        newest = max((run for run in beside if run.parent == root), default=None,
+                     key=lambda run: int(VERSION.fullmatch(run.name)[1]))
         present = pointer.is_symlink() or pointer.exists()
-        if target is None:
+        if newest is not None:  # a run trained beside the tests (make demo in another shell) is the latest
+            point_latest(root, newest)
+        elif before is None:
             if present and not pointer.exists():  # it named an empty run removed above (dangling)
                 pointer.unlink()
-        elif pointer.parent.is_dir() and (not present or _pointer(pointer) != target):
+        elif root.is_dir() and (not present or _pointer(pointer) != before):
             if present:
                 pointer.unlink()
-            symlink, name = target
+            symlink, name = before
             if symlink:
                 os.symlink(name, pointer, target_is_directory=True)
             else:
