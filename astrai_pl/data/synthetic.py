@@ -50,11 +50,19 @@ def is_held_out(problem: Problem, fraction: float = 0.1) -> bool:
     return zlib.crc32(problem.question.encode()) % 10_000 < fraction * 10_000
 
 
+MAX_ENUMERATED = 1_000_000  # problems held_out_set looks through at most: about 2 s
+
+
 def held_out_set(ops: Sequence[str] = ("+", "-"), max_operand: int = 99, held_out_fraction: float = 0.1
                  ) -> list[Problem]:
     """Every held-out problem with operands in [0, max_operand], each once, in a fixed order (first operand,
     operator, second operand): the exact held-out accuracy is the share of these answered right, where the
-    `test` rows draw problems with repeats and so weigh some several times and others not at all."""
+    `test` rows draw problems with repeats and so weigh some several times and others not at all. ValueError
+    past MAX_ENUMERATED problems to look through (max_operand 706 with two operators)."""
+    size = len(ops) * (max_operand + 1) ** 2
+    if size > MAX_ENUMERATED:
+        raise ValueError(f"held_out_set: {len(ops)} x {max_operand + 1:,}^2 = {size:,} problems to look through, over "
+                         f"{MAX_ENUMERATED:,}; lower max_operand, or score a sample: problems(n, 'test', …)")
     return [p for a in range(max_operand + 1) for op in ops for b in range(max_operand + 1)
             if is_held_out(p := Problem(a, op, b), held_out_fraction)]
 

@@ -72,6 +72,8 @@ def test_the_held_out_set_is_every_held_out_problem_once():
     wider = held_out_set(("+", "-", "*"), 20, held_out_fraction=0.3)
     assert {p.op for p in wider} == {"+", "-", "*"} and 0.25 < len(wider) / (3 * 21 * 21) < 0.35
     assert Arithmetic(max_operand=14).held_out_set() == every
+    with pytest.raises(ValueError, match="held_out_set: 3 x 100,001"):  # 3e10 problems: refused, not an hours-long loop
+        held_out_set(("+", "-", "*"), 100_000)
 
 
 def test_rows_of_each_kind_encode_with_the_inferred_sections():
