@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from astrai_pl.callbacks import (
     AtomicCheckpointIO,
     CheckpointError,
+    FinalCheckpoint,
     NonFiniteGuard,
     NonFiniteLossError,
     RNGState,
@@ -34,7 +35,7 @@ from astrai_pl.objectives import Pretrain
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "sweeps" not in p.parts)
-PROTECTIONS = (NonFiniteGuard, RNGState, StopOnSignal)
+PROTECTIONS = (NonFiniteGuard, RNGState, StopOnSignal, FinalCheckpoint)
 
 
 def _shipped(config: Path, *args: str):
@@ -60,6 +61,18 @@ def test_a_safety_switch_turns_one_protection_off_and_a_named_one_is_not_added_t
     assert sum(isinstance(c, NonFiniteGuard) for c in trainer.callbacks) == 1
     trainer = _shipped(config, "--trainer.callbacks+=astrai_pl.callbacks.NonFiniteGuard")
     assert sum(isinstance(c, NonFiniteGuard) for c in trainer.callbacks) == 1
+
+
+@pytest.mark.parametrize("final_checkpoint", ["true", "false"])
+def test_last_ckpt_holds_the_final_step_when_max_steps_is_no_multiple_of_the_interval(tmp_path, final_checkpoint):
+    """every_n_train_steps 4, max_steps 6: Lightning writes last.ckpt at step 4 and, having written one, not
+    again at the end; FinalCheckpoint writes step 6 (switched off, the run ends with step 4 in last.ckpt)."""
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    main(["fit", "--config", str(ROOT / "configs/pretrain/debug.yaml"), "--data.init_args.path", str(corpus),
+          "--trainer.max_steps", "6", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+          "--trainer.default_root_dir", str(tmp_path / "runs"), "--safety.final_checkpoint", final_checkpoint])
+    last = read_checkpoint(tmp_path / "runs/latest/checkpoints/last.ckpt")
+    assert last["global_step"] == (6 if final_checkpoint == "true" else 4)
 
 
 # -- an explicit --ckpt_path is read verified --------------------------------------------------------------

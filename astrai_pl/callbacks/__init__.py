@@ -4,7 +4,7 @@ and `read_checkpoint` live in astrai_pl/checkpoint/ and are importable from here
 from ..checkpoint import AtomicCheckpointIO, CheckpointError, read_checkpoint
 from .export import HFExport
 from .metrics import JSONLLogger, NonFiniteGuard, NonFiniteLossError
-from .resume import RNGState, StopOnSignal
+from .resume import FinalCheckpoint, RNGState, StopOnSignal
 from .samples import SampleGenerations
 from .throughput import Throughput
 from .tracking import ModelArtifact, WandbConfig
@@ -12,6 +12,7 @@ from .tracking import ModelArtifact, WandbConfig
 __all__ = [
     "AtomicCheckpointIO",
     "CheckpointError",
+    "FinalCheckpoint",
     "HFExport",
     "JSONLLogger",
     "ModelArtifact",

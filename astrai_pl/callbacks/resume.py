@@ -139,6 +139,41 @@ class StopOnSignal(L.Callback):
         self._restore()
 
 
+class FinalCheckpoint(L.Callback):
+    """Writes last.ckpt at the end of `fit` when the run's final step is not in it yet.
+
+    Lightning's ModelCheckpoint writes last.ckpt at its own triggers (`every_n_train_steps`, validation, epoch
+    ends) and at the end of training only when it wrote none during the run. A run whose `max_steps` is not a
+    multiple of the interval (every_n_train_steps 40, max_steps 199) would end with a last.ckpt of step 160:
+    the last steps trained would be lost to `--ckpt_path last`, `convert` and the next stage's `init_from`.
+    Nothing is written when the last save was of the final step, when no step was taken in this `fit`, or
+    when no ModelCheckpoint has `save_last`.
+    """
+
+    def __init__(self) -> None:
+        self._started_at: int | None = None
+        self._saved_at: int | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started_at, self._saved_at = trainer.global_step, None
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self._saved_at = trainer.global_step
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # after every callback's on_train_end, ModelCheckpoint's own end-of-training save included
+        keepers = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.save_last]
+        if (not keepers or trainer.fast_dev_run or self._started_at in (None, trainer.global_step)
+                or self._saved_at == trainer.global_step):
+            return
+        path = last_checkpoint_path(trainer)
+        trainer.save_checkpoint(path)
+        for callback in keepers:
+            if callback.dirpath and Path(callback.dirpath) == path.parent:
+                callback.last_model_path = str(path)
+        rank_zero_info(f"saved {path} at the final step {trainer.global_step}")
+
+
 class RNGState(L.Callback):
     """Saves Python's, NumPy's and torch's random states (CPU and CUDA) in every checkpoint and restores
     them on resume, so sampling, dropout and anything else drawing random numbers continues its sequence.

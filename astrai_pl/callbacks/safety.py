@@ -1,8 +1,8 @@
 """The protections `astrai-pl fit` adds to every trainer, on which the guarantees of docs/distributed.md rest,
 and the `safety:` section of a config that turns each one off.
 
-A protection the config already names (a CheckpointIO in `trainer.plugins`, a NonFiniteGuard, RNGState or
-StopOnSignal in `trainer.callbacks`) is used as configured and not added a second time.
+A protection the config already names (a CheckpointIO in `trainer.plugins`, a NonFiniteGuard, RNGState,
+StopOnSignal or FinalCheckpoint in `trainer.callbacks`) is used as configured and not added a second time.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from lightning.fabric.plugins import CheckpointIO
 
 from ..checkpoint import AtomicCheckpointIO
 from .metrics import NonFiniteGuard
-from .resume import RNGState, StopOnSignal
+from .resume import FinalCheckpoint, RNGState, StopOnSignal
 
 
 @dataclasses.dataclass
@@ -30,9 +30,13 @@ class SafetyConfig:
     """Random states saved in every checkpoint and restored on resume, for exact resumes (RNGState)."""
     stop_on_signal: bool = True
     """SIGTERM or SIGINT: finish the optimizer step, save last.ckpt and stop cleanly (StopOnSignal)."""
+    final_checkpoint: bool = True
+    """last.ckpt written at the end of fit when the final step is not in it yet, as when max_steps is not a
+    multiple of every_n_train_steps (FinalCheckpoint)."""
 
 
-CALLBACKS = {"nonfinite_guard": NonFiniteGuard, "rng_state": RNGState, "stop_on_signal": StopOnSignal}
+CALLBACKS = {"nonfinite_guard": NonFiniteGuard, "rng_state": RNGState, "stop_on_signal": StopOnSignal,
+             "final_checkpoint": FinalCheckpoint}
 
 
 def as_list(value: Any) -> list[Any]:
