@@ -86,8 +86,8 @@ STAGE_OVERRIDES = {"sft": ["--data.init_args.synthetic.train_range", "[0.0, 0.8]
                             "--model.init_args.optimizer.init_args.lr", "5e-5"]}
 POLICY_SAMPLES = 16  # answers the SFT model gives to each of its problems, for the DPO stage's pairs
 PAIRS_PER_PROBLEM = 4  # at most this many of a problem's wrong answers (the most frequent) become pairs
-# passes of the DPO stage over its pairs: their number depends on the SFT model's mistakes (1,032 to 1,224 in
-# four seeds), and a fixed number of steps would be a different number of passes in each run
+# passes of the DPO stage over its pairs: their number depends on the SFT model's mistakes (1,032 to 1,316 in
+# eight runs), and a fixed number of steps would be a different number of passes in each run
 DPO_EPOCHS = 3
 EXACT_MATCH = "rewards/exact_match_reward/mean"  # GRPO's rollout metric of the exact-match reward
 HELD_OUT_SAMPLES = 32  # GRPO's reward on the held-out problems: answers sampled to each (48 x 32 = 1,536)
